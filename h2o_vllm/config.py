@@ -1,0 +1,123 @@
+"""H2O configuration: parsed and validated from the plain dict in ``additional_config["h2o"]``.
+
+Pure: stdlib only. Every process (API server, engine core, workers) parses the dict itself, so
+the same rules apply everywhere and an invalid dict fails before any model weight is loaded.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+#: The paper's default: 10% heavy hitters + 10% recent tokens ("20% budget").
+DEFAULT_RATIO = 0.1
+
+_RATIO_KEYS = ("heavy_ratio", "recent_ratio")
+_TOKEN_KEYS = ("heavy_tokens", "recent_tokens")
+
+
+@dataclass(frozen=True)
+class H2OConfig:
+    """What H2O keeps per (layer, KV head) of each sequence, and how often it compacts.
+
+    Each part of the budget (heavy, recent) is either a fraction of the prompt length
+    (``*_ratio``, the paper's budgets) or an absolute token count (``*_tokens``); giving both
+    for one part is an error. A part given neither way defaults to ``DEFAULT_RATIO``.
+
+    Short prompts: a ratio part is ``max(1, floor(ratio * prompt_len))`` when the ratio is
+    positive, so an enabled part never rounds down to zero tokens; a ratio of 0 disables the
+    part (``heavy_ratio=0`` is the recent-only "Local" baseline).
+
+    ``interval``: after the prompt, the cache is compacted back to the budget each time it has
+    grown ``interval`` tokens past it. ``None`` means one KV block in vLLM (the natural unit:
+    each compaction then frees whole blocks) and 1 (the paper's per-step eviction) in the
+    reference implementation.
+    """
+
+    heavy_ratio: float | None = None
+    recent_ratio: float | None = None
+    heavy_tokens: int | None = None
+    recent_tokens: int | None = None
+    interval: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in _RATIO_KEYS:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"h2o.{key} must be a number in [0, 1], got {value!r}")
+            if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"h2o.{key} must be in [0, 1], got {value!r}")
+        for key in (*_TOKEN_KEYS, "interval"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"h2o.{key} must be an integer, got {value!r}")
+            low = 1 if key == "interval" else 0
+            if value < low:
+                raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
+        for part in ("heavy", "recent"):
+            if getattr(self, f"{part}_ratio") is not None and getattr(self, f"{part}_tokens") is not None:
+                raise ValueError(
+                    f"h2o.{part}_ratio and h2o.{part}_tokens both set: give the {part} budget one way, "
+                    f"as a fraction of the prompt ({part}_ratio) or as a token count ({part}_tokens)")
+        if self._part_is_zero("heavy") and self._part_is_zero("recent"):
+            raise ValueError("h2o budget is zero: heavy and recent are both 0; enable at least one part "
+                             "(for example heavy_ratio=0.1, recent_ratio=0.1)")
+
+    def _part_is_zero(self, part: str) -> bool:
+        ratio, tokens = getattr(self, f"{part}_ratio"), getattr(self, f"{part}_tokens")
+        return (ratio is not None and ratio == 0) or (tokens is not None and tokens == 0)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "H2OConfig":
+        """Parse ``additional_config["h2o"]``; raises ``ValueError`` naming the bad key."""
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"additional_config['h2o'] must be a dict of H2O settings, got {type(data).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown h2o key(s) {unknown}; accepted keys: {known}")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The explicitly set keys, round-trippable through ``from_dict``."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "H2OConfig":
+        """This config with some keys replaced (per-request budgets); a part set one way
+        in ``overrides`` drops the other way inherited from ``self``."""
+        merged = self.to_dict()
+        for key in overrides:
+            for part in ("heavy", "recent"):
+                if key in (f"{part}_ratio", f"{part}_tokens"):
+                    merged.pop(f"{part}_ratio", None)
+                    merged.pop(f"{part}_tokens", None)
+        merged.update(overrides)
+        return H2OConfig.from_dict(merged)
+
+    def part_budget(self, part: str, prompt_len: int) -> int:
+        """Tokens kept for ``part`` ("heavy" or "recent") of a prompt of ``prompt_len`` tokens."""
+        tokens = getattr(self, f"{part}_tokens")
+        if tokens is not None:
+            return tokens
+        ratio = getattr(self, f"{part}_ratio")
+        ratio = DEFAULT_RATIO if ratio is None else ratio
+        if ratio == 0:
+            return 0
+        # The epsilon keeps 0.3 * 10 from flooring to 2 through fp error.
+        return max(1, math.floor(ratio * prompt_len + 1e-9))
+
+    def budget(self, prompt_len: int) -> tuple[int, int]:
+        """(heavy, recent) token counts for one prompt length."""
+        return self.part_budget("heavy", prompt_len), self.part_budget("recent", prompt_len)
+
+    def resolved_interval(self, block_size: int | None) -> int:
+        """``interval``, defaulting to one block (vLLM) or 1 (no block size: the reference)."""
+        if self.interval is not None:
+            return self.interval
+        return block_size if block_size else 1

@@ -1,0 +1,72 @@
+"""The H2O rules both sides of vLLM share: budgets, the live KV length, the keep-set.
+
+Pure: torch and ``config`` only. The scheduler (engine-core process) and the workers evaluate
+``kv_len_after`` on the same inputs, so they agree on every block count without exchanging a
+message; see ARCHITECTURE.md, "Shared deterministic rule".
+"""
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from h2o_vllm.config import H2OConfig
+
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+
+
+def budget(prompt_len: int, config: H2OConfig) -> tuple[int, int]:
+    """(heavy, recent) tokens kept per (layer, KV head) for a prompt of ``prompt_len`` tokens."""
+    return config.budget(prompt_len)
+
+
+def live_kv_len(tokens_processed: IntOrTensor, prompt_len: IntOrTensor,
+                budget_tokens: IntOrTensor, interval: IntOrTensor) -> IntOrTensor:
+    """Live KV length after ``tokens_processed`` logical tokens have been written.
+
+    No eviction before the prompt is done; after it, the cache is compacted back to
+    ``budget_tokens`` whenever it has grown ``interval`` tokens past it (ARCHITECTURE.md,
+    "Cadence"). With ``start = max(prompt_len, budget + interval)`` the first compaction
+    happens at ``start``, then every ``interval`` tokens, hence the closed form.
+
+    A request recomputed after preemption (one prefill step past its prompt) lands on the
+    same length an uninterrupted request would have: both sides only ever see this function.
+    Works elementwise on tensors (the worker's rows) and on ints (the scheduler's requests).
+    """
+    if isinstance(tokens_processed, torch.Tensor):
+        start = torch.maximum(torch.as_tensor(prompt_len), torch.as_tensor(budget_tokens + interval))
+        compacted = budget_tokens + torch.remainder(tokens_processed - start, interval)
+        return torch.where(tokens_processed < start, tokens_processed, compacted)
+    start = max(prompt_len, budget_tokens + interval)
+    if tokens_processed < start:
+        return tokens_processed
+    return budget_tokens + (tokens_processed - start) % interval
+
+
+def kv_len_after(tokens_processed: int, prompt_len: int, config: H2OConfig,
+                 block_size: int | None = None) -> int:
+    """Live KV length of a sequence after ``tokens_processed`` tokens, for one config."""
+    heavy, recent = config.budget(prompt_len)
+    return live_kv_len(tokens_processed, prompt_len, heavy + recent, config.resolved_interval(block_size))
+
+
+def select_keep(scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
+    """Indices of the tokens to keep, per head: the ``recent`` last ones plus the ``heavy``
+    highest-scoring among the rest; ties keep the more recent token; ascending order.
+
+    scores: [..., n] accumulated attention of the n live tokens (oldest first).
+    Returns int64 [..., min(n, heavy + recent)]; the count is the same for every head.
+    """
+    n = scores.shape[-1]
+    num_recent = min(recent, n)
+    num_older = n - num_recent
+    num_heavy = min(heavy, num_older)
+    lead = scores.shape[:-1]
+    recent_idx = torch.arange(num_older, n, device=scores.device).expand(*lead, num_recent)
+    if num_heavy == 0:
+        return recent_idx.contiguous()
+    # Flip so that, among equal scores, the stable sort meets the more recent token first.
+    older = scores[..., :num_older].flip(-1)
+    order = torch.sort(older, dim=-1, descending=True, stable=True).indices[..., :num_heavy]
+    heavy_idx = torch.sort(num_older - 1 - order, dim=-1).values
+    return torch.cat([heavy_idx, recent_idx], dim=-1)
