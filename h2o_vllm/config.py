@@ -47,15 +47,16 @@ class H2OConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"h2o.{key} must be a number in [0, 1], got {value!r}")
-            if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+            # Range first: a huge int would overflow math.isfinite; NaN fails the range too.
+            if not 0.0 <= value <= 1.0 or not math.isfinite(value):
                 raise ValueError(f"h2o.{key} must be in [0, 1], got {value!r}")
         for key in (*_TOKEN_KEYS, "interval"):
             value = getattr(self, key)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"h2o.{key} must be an integer, got {value!r}")
             low = 1 if key == "interval" else 0
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
             if value < low:
                 raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
         for part in ("heavy", "recent"):
@@ -79,7 +80,7 @@ class H2OConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"additional_config['h2o'] must be a dict of H2O settings, got {type(data).__name__}")
         known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
+        unknown = sorted(set(data) - set(known), key=repr)  # keys may be of mixed types
         if unknown:
             raise ValueError(f"unknown h2o key(s) {unknown}; accepted keys: {known}")
         return cls(**dict(data))

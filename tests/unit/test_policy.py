@@ -1,0 +1,256 @@
+"""The shared H2O rules: live KV length (cadence) and the per-head keep-set (pure, no vLLM)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from h2o_vllm.config import H2OConfig
+from h2o_vllm.policy import budget, kv_len_after, live_kv_len, select_keep
+
+# --------------------------------------------------------------------------- live_kv_len
+
+prompt_lens = st.integers(0, 300)
+budgets = st.integers(1, 120)
+intervals = st.integers(1, 48)
+
+
+def _lives(prompt_len, budget_tokens, interval, upto):
+    return [live_kv_len(n, prompt_len, budget_tokens, interval) for n in range(upto + 1)]
+
+
+def _horizon(prompt_len, budget_tokens, interval):
+    return max(prompt_len, budget_tokens + interval) + 4 * interval + 3
+
+
+@given(prompt_len=prompt_lens, budget_tokens=budgets, interval=intervals)
+def test_live_len_invariants(prompt_len, budget_tokens, interval):
+    upto = _horizon(prompt_len, budget_tokens, interval)
+    live = _lives(prompt_len, budget_tokens, interval, upto)
+    for n, value in enumerate(live):
+        assert isinstance(value, int)
+        if n < prompt_len:
+            assert value == n, "evicted during the prompt"
+        else:
+            assert value <= budget_tokens + interval
+            assert value >= min(n, budget_tokens)
+        assert value <= n
+
+
+@given(prompt_len=prompt_lens, budget_tokens=budgets, interval=intervals, data=st.data())
+def test_live_len_never_grows_faster_than_tokens_written(prompt_len, budget_tokens, interval, data):
+    upto = _horizon(prompt_len, budget_tokens, interval)
+    live = _lives(prompt_len, budget_tokens, interval, upto)
+    # One token at a time (which implies every q by induction): the worker can only compact,
+    # never invent tokens.
+    for n in range(upto):
+        assert live[n + 1] <= live[n] + 1, n
+    # Explicit pairs (n, n + q): inside the horizon, and far-away jumps (a big prefill chunk,
+    # a recompute after preemption).
+    for _ in range(5):
+        n = data.draw(st.integers(0, upto), label="n")
+        q = data.draw(st.integers(0, upto - n), label="q")
+        assert live[n + q] <= live[n] + q, (n, q)
+        n = data.draw(st.integers(0, 10**6), label="far n")
+        q = data.draw(st.integers(0, 10**6), label="far q")
+        assert (live_kv_len(n + q, prompt_len, budget_tokens, interval)
+                <= live_kv_len(n, prompt_len, budget_tokens, interval) + q)
+
+
+@given(budget_tokens=budgets, extra=st.integers(1, 200), n_after=st.integers(0, 500))
+def test_interval_one_is_exactly_the_budget_after_a_longer_prompt(budget_tokens, extra, n_after):
+    prompt_len = budget_tokens + extra  # L > budget
+    assert live_kv_len(prompt_len - 1, prompt_len, budget_tokens, 1) == prompt_len - 1
+    assert live_kv_len(prompt_len + n_after, prompt_len, budget_tokens, 1) == budget_tokens
+
+
+@given(prompt_len=prompt_lens, budget_tokens=budgets, interval=intervals)
+def test_compaction_cadence(prompt_len, budget_tokens, interval):
+    upto = _horizon(prompt_len, budget_tokens, interval)
+    live = _lives(prompt_len, budget_tokens, interval, upto)
+    compactions = [n for n in range(1, upto + 1) if live[n] < live[n - 1] + 1]
+    first = max(prompt_len, budget_tokens + interval)
+    assert compactions, "never compacted"
+    assert compactions[0] == first
+    assert all(n >= prompt_len for n in compactions)
+    assert all(b - a == interval for a, b in zip(compactions, compactions[1:]))
+    assert compactions[-1] + interval > upto  # none missing at the end of the horizon
+    assert all(live[n] == budget_tokens for n in compactions)
+
+
+@pytest.mark.parametrize("prompt_len, budget_tokens, interval, expected", [
+    # L=10, B=4, I=3: grows to 10 in the prompt, compacts at 10, then every 3 tokens.
+    (10, 4, 3, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 5, 6, 4, 5, 6, 4]),
+    # L=3 below the budget: grows until B+I=7, compacts to 4.
+    (3, 4, 3, [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 4, 5]),
+    # Paper cadence.
+    (6, 2, 1, [0, 1, 2, 3, 4, 5, 2, 2, 2, 2]),
+    # B < L < B + I: no compaction at the prompt end, first one at B + I.
+    (5, 3, 4, [0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 3]),
+])
+def test_live_len_examples(prompt_len, budget_tokens, interval, expected):
+    assert _lives(prompt_len, budget_tokens, interval, len(expected) - 1) == expected
+
+
+@given(rows=st.lists(st.tuples(st.integers(0, 2000), prompt_lens, budgets, intervals),
+                     min_size=1, max_size=40))
+def test_tensor_path_equals_int_path(rows):
+    n, prompt_len, budget_tokens, interval = (torch.tensor(col, dtype=torch.int64) for col in zip(*rows))
+    got = live_kv_len(n, prompt_len, budget_tokens, interval)
+    assert got.dtype == torch.int64
+    assert got.shape == n.shape
+    expected = [live_kv_len(*row) for row in rows]
+    assert got.tolist() == expected
+
+
+@given(ns=st.lists(st.integers(0, 2000), min_size=1, max_size=40),
+       prompt_len=prompt_lens, budget_tokens=budgets, interval=intervals)
+def test_tensor_path_with_scalar_parameters(ns, prompt_len, budget_tokens, interval):
+    got = live_kv_len(torch.tensor(ns, dtype=torch.int64), prompt_len, budget_tokens, interval)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [live_kv_len(n, prompt_len, budget_tokens, interval) for n in ns]
+
+
+@given(n=st.integers(0, 3000), prompt_len=st.integers(0, 1000),
+       heavy_ratio=st.sampled_from([0, 0.05, 0.1, 0.3]), recent_tokens=st.integers(1, 64),
+       interval=st.one_of(st.none(), st.integers(1, 32)), block_size=st.sampled_from([None, 16]))
+def test_kv_len_after_matches_live_kv_len(n, prompt_len, heavy_ratio, recent_tokens, interval, block_size):
+    cfg = H2OConfig(heavy_ratio=heavy_ratio, recent_tokens=recent_tokens, interval=interval)
+    heavy, recent = budget(prompt_len, cfg)
+    assert (heavy, recent) == cfg.budget(prompt_len)
+    step = cfg.resolved_interval(block_size)
+    assert kv_len_after(n, prompt_len, cfg, block_size) == live_kv_len(n, prompt_len, heavy + recent, step)
+
+
+def test_kv_len_after_default_interval_is_one_block():
+    cfg = H2OConfig(heavy_tokens=8, recent_tokens=8)
+    lens = [kv_len_after(n, 100, cfg, block_size=16) for n in range(100, 140)]
+    assert lens[0] == 16                      # compacted at the end of the 100-token prompt
+    assert max(lens) == 16 + 15
+    assert [kv_len_after(n, 100, cfg) for n in range(100, 105)] == [16] * 5  # reference: interval 1
+
+
+# --------------------------------------------------------------------------- select_keep
+
+
+def _reference_keep(row: list[float], heavy: int, recent: int) -> list[int]:
+    n = len(row)
+    num_recent = min(recent, n)
+    older = list(range(n - num_recent))
+    # Highest score first; among equal scores the more recent (larger index) token first.
+    ranked = sorted(older, key=lambda t: (-row[t], -t))
+    return sorted(ranked[:heavy]) + list(range(n - num_recent, n))
+
+
+# Few distinct values, so ties are frequent; plus arbitrary finite fp32 values.
+score_values = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                         st.floats(-1e6, 1e6, allow_nan=False, width=32))
+
+
+@st.composite
+def score_batches(draw, max_lead_dims=2):
+    lead = draw(st.lists(st.integers(1, 4), min_size=0, max_size=max_lead_dims))
+    n = draw(st.integers(0, 40))
+    count = 1
+    for dim in lead:
+        count *= dim
+    values = draw(st.lists(score_values, min_size=count * n, max_size=count * n))
+    return torch.tensor(values, dtype=torch.float32).reshape(*lead, n)
+
+
+@settings(max_examples=300, deadline=None)
+@given(scores=score_batches(), heavy=st.integers(0, 30), recent=st.integers(0, 30))
+def test_select_keep_properties(scores, heavy, recent):
+    n = scores.shape[-1]
+    keep = select_keep(scores, heavy, recent)
+    assert keep.dtype == torch.int64
+    # Same count for every head.
+    assert keep.shape == (*scores.shape[:-1], min(n, heavy + recent))
+    num_heads = math.prod(scores.shape[:-1])
+    rows = scores.reshape(num_heads, n).tolist()
+    kept_rows = keep.reshape(num_heads, keep.shape[-1]).tolist()
+    num_recent = min(recent, n)
+    for row, kept in zip(rows, kept_rows):
+        assert kept == sorted(kept) and len(set(kept)) == len(kept)   # ascending, distinct
+        assert all(0 <= t < n for t in kept)
+        assert set(range(n - num_recent, n)) <= set(kept)             # recent window kept
+        if n <= heavy + recent:
+            assert kept == list(range(n))
+        assert kept == _reference_keep(row, heavy, recent)            # top-heavy, ties -> recent
+
+
+@given(scores=score_batches(max_lead_dims=0), heavy=st.integers(0, 30), recent=st.integers(0, 30))
+def test_select_keep_heavy_part_is_top_scores(scores, heavy, recent):
+    n = scores.shape[-1]
+    keep = select_keep(scores, heavy, recent).tolist()
+    num_older = n - min(recent, n)
+    heavy_part = [t for t in keep if t < num_older]
+    dropped = [t for t in range(num_older) if t not in heavy_part]
+    assert len(heavy_part) == min(heavy, num_older)
+    for kept in heavy_part:
+        for gone in dropped:
+            # Every kept older token beats every dropped one; equal scores keep the more recent.
+            assert scores[kept] > scores[gone] or (scores[kept] == scores[gone] and kept > gone)
+
+
+def test_select_keep_explicit_ties():
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    assert select_keep(scores, 2, 1).tolist() == [2, 3, 5]
+    # All equal: heavy takes the most recent of the older tokens.
+    assert select_keep(torch.zeros(10), 3, 2).tolist() == [5, 6, 7, 8, 9]
+    # A strictly higher old score still wins over a tie group.
+    scores = torch.tensor([5.0, 1.0, 1.0, 1.0, 1.0, 9.0, 9.0])
+    assert select_keep(scores, 2, 2).tolist() == [0, 4, 5, 6]
+    # The recent window is kept even with the lowest scores.
+    scores = torch.tensor([9.0, 8.0, 7.0, 0.0, 0.0])
+    assert select_keep(scores, 1, 2).tolist() == [0, 3, 4]
+
+
+def test_select_keep_per_head_sets_same_count():
+    # [layers=2, heads=3, n=6]: each head its own set, every head the same count.
+    scores = torch.tensor([
+        [[9, 0, 0, 0, 0, 0], [0, 0, 9, 0, 0, 0], [0, 0, 0, 0, 9, 0]],
+        [[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1], [0, 0, 0, 0, 0, 0]],
+    ], dtype=torch.float32)
+    keep = select_keep(scores, heavy=1, recent=2)
+    assert keep.shape == (2, 3, 3)
+    assert keep.tolist() == [
+        [[0, 4, 5], [2, 4, 5], [3, 4, 5]],
+        [[3, 4, 5], [0, 4, 5], [3, 4, 5]],
+    ]
+
+
+@pytest.mark.parametrize("n, heavy, recent, expected", [
+    (0, 3, 3, []),
+    (4, 3, 3, [0, 1, 2, 3]),
+    (6, 3, 3, [0, 1, 2, 3, 4, 5]),
+    (5, 0, 2, [3, 4]),       # recent-only
+    (5, 2, 0, [3, 4]),       # heavy-only on equal scores keeps the most recent
+    (5, 0, 0, []),
+])
+def test_select_keep_small_cases(n, heavy, recent, expected):
+    keep = select_keep(torch.zeros(2, n), heavy, recent)
+    assert keep.shape == (2, len(expected))
+    assert keep.tolist() == [expected, expected]
+
+
+def test_select_keep_does_not_modify_scores():
+    scores = torch.tensor([[3.0, 1.0, 2.0, 0.0, 5.0]])
+    before = scores.clone()
+    select_keep(scores, 2, 1)
+    assert torch.equal(scores, before)
+
+
+# --------------------------------------------------------------------------- purity
+
+
+def test_config_and_policy_import_no_vllm():
+    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm; "
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
