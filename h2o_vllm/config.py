@@ -122,3 +122,22 @@ class H2OConfig:
         if self.interval is not None:
             return self.interval
         return block_size if block_size else 1
+
+
+#: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)
+#: under these names; the value is an ``H2OConfig`` key.
+REQUEST_KEYS = {f"h2o_{f.name}": f.name for f in fields(H2OConfig)}
+
+
+def config_from_additional(additional_config: Mapping[str, Any] | None) -> H2OConfig | None:
+    """The engine's H2O config, or None when H2O is off (no ``h2o`` key)."""
+    if not additional_config or "h2o" not in additional_config:
+        return None
+    return H2OConfig.from_dict(additional_config["h2o"])
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The H2O keys of one request's ``extra_args`` (``h2o_heavy_ratio`` -> ``heavy_ratio``)."""
+    if not extra_args:
+        return {}
+    return {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}

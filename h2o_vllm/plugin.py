@@ -1,0 +1,24 @@
+"""The ``vllm.general_plugins`` entry point. vLLM runs it in every process, possibly twice."""
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    """Install H2O into this process's vLLM: CPU backend override, KV-cache spec, hooks.
+
+    Does nothing visible until a config carries ``additional_config["h2o"]``.
+    """
+    global _registered
+    if _registered:
+        return
+    # Imported here, not at module top: vLLM only logs a failed plugin import, while an
+    # error raised inside register() stops start-up with our message.
+    from h2o_vllm import vllm_hooks
+    vllm_hooks.check_vllm_version()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.backend.H2OCPUAttentionBackend")
+    vllm_hooks.register_kv_cache_spec()
+    vllm_hooks.install_runner_hook()
+    vllm_hooks.install_scheduler_hook()
+    _registered = True

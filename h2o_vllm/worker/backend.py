@@ -1,0 +1,23 @@
+"""H2OCPUAttentionBackend: vLLM's CPU attention with H2O's builder and impl.
+
+Registered over ``CPU_ATTN`` in every process. With H2O off (no ``h2o`` key in
+``additional_config``) the builder and impl do exactly what the stock ones do.
+"""
+from __future__ import annotations
+
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+
+class H2OCPUAttentionBackend(CPUAttentionBackend):
+    # The impl writes K/V itself, at KV-space slots only the H2O metadata knows.
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_impl_cls():
+        from h2o_vllm.worker.impl import H2OCPUImpl
+        return H2OCPUImpl
+
+    @staticmethod
+    def get_builder_cls():
+        from h2o_vllm.worker.builder import H2OCPUMetadataBuilder
+        return H2OCPUMetadataBuilder

@@ -1,0 +1,64 @@
+"""H2OCPUMetadataBuilder: the stock CPU metadata, moved into KV space.
+
+Runs in the worker process. RoPE positions stay logical (vLLM computes them); only the
+slots this step writes, the lengths the kernel reads and its work plan change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, CPUAttentionMetadataBuilder
+
+from h2o_vllm.config import config_from_additional
+from h2o_vllm.worker import plan as step_plan
+from h2o_vllm.worker.plan import StepPlan
+
+# The impl reads K/V back in these layouts (verified in the CPU cache study); others, such as
+# AMX, pack K differently.
+_READABLE_ISAS = ("vec", "vec16")
+
+
+@dataclass
+class H2OCPUAttentionMetadata(CPUAttentionMetadata):
+    # None when H2O is off or outside a real step: the impl then behaves as stock vLLM.
+    plan: StepPlan | None = None
+
+
+class H2OCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.h2o = config_from_additional(vllm_config.additional_config)
+        if self.h2o is not None and self.isa not in _READABLE_ISAS:
+            self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
+            self._set_isa_to_layers(layer_names)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> H2OCPUAttentionMetadata:
+        cm = common_attn_metadata
+        plan = step_plan.current() if self.h2o is not None else None
+        if plan is not None:
+            kv_seq_lens = plan.kv_seq_lens.to(torch.int32)
+            cm = dataclasses.replace(
+                cm, seq_lens=kv_seq_lens, max_seq_len=int(kv_seq_lens.max()),
+                slot_mapping=kv_slot_mapping(plan, cm.block_table_tensor, cm.num_actual_tokens,
+                                             self.block_size))
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        return H2OCPUAttentionMetadata(**{f.name: getattr(metadata, f.name)
+                                          for f in dataclasses.fields(metadata)}, plan=plan)
+
+
+def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
+                    block_size: int) -> torch.Tensor:
+    """Cache slot of each scheduled token: row r's j-th new token goes to KV position
+    kv_lens_before[r] + j. Padding tokens get -1 (vLLM's PAD_SLOT_ID)."""
+    num_rows = plan.query_lens.shape[0]
+    rows = torch.repeat_interleave(torch.arange(num_rows), plan.query_lens)
+    starts = torch.cumsum(plan.query_lens, 0) - plan.query_lens
+    kv_pos = plan.kv_lens_before[rows] + torch.arange(rows.shape[0]) - starts[rows]
+    blocks = block_table[rows, kv_pos // block_size].to(torch.int64)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
+    slots[: rows.shape[0]] = blocks * block_size + kv_pos % block_size
+    return slots
