@@ -1,0 +1,95 @@
+"""Triton kernels for the CUDA path (worker process): score accumulation and row compaction.
+
+Each op comes in three: ``<op>_kernel`` (jit), the ``<op>`` launcher here, and a plain-torch twin
+of the same name in ``h2o_vllm.kernels.reference``. Launchers load lazily, so the reference (torch
+only) imports without Triton; the launchers' shared argument checks live here. Set
+``TRITON_INTERPRET=1`` before the first import of a kernel module to run the kernels on CPU.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+_LAUNCHERS = {
+    "accumulate_decode_scores": "h2o_vllm.kernels.scores",
+    "accumulate_prefill_scores": "h2o_vllm.kernels.scores",
+    "prefill_lse": "h2o_vllm.kernels.scores",
+    "compact_rows": "h2o_vllm.kernels.compact",
+}
+__all__ = sorted(_LAUNCHERS)
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def __getattr__(name: str):
+    if name in _LAUNCHERS:
+        return getattr(importlib.import_module(_LAUNCHERS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_paged(name: str, cache: torch.Tensor, block_table: torch.Tensor,
+                scores: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """Validate a paged cache against block_table (and scores unless None); return
+    (num_blocks, block_size, num_kv_heads, head_size)."""
+    if cache.dim() != 4:
+        raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], "
+                         f"got shape {tuple(cache.shape)}")
+    if cache.dtype not in _CACHE_DTYPES:
+        raise TypeError(f"{name} dtype must be one of {_CACHE_DTYPES}, got {cache.dtype}")
+    if cache.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in head_size, got strides {cache.stride()}")
+    num_blocks, block_size, num_kv_heads, head_size = cache.shape
+    if scores is not None:
+        if scores.dtype != torch.float32:
+            raise TypeError(f"scores must be float32, got {scores.dtype}")
+        if tuple(scores.shape) != (num_blocks, num_kv_heads, block_size):
+            raise ValueError(f"scores must be [num_blocks, num_kv_heads, block_size] = "
+                             f"{(num_blocks, num_kv_heads, block_size)}, "
+                             f"got {tuple(scores.shape)}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be [num_rows, max_blocks] int32, "
+                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    if block_table.stride(-1) != 1:
+        raise ValueError(f"block_table must be contiguous in its last dim, "
+                         f"got {block_table.stride()}")
+    for t, n in ((scores, "scores"), (block_table, "block_table")):
+        if t is not None and t.device != cache.device:
+            raise ValueError(f"{n} is on {t.device}, {name} on {cache.device}")
+    return num_blocks, block_size, num_kv_heads, head_size
+
+
+def check_query(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int) -> int:
+    if query.dim() != 3 or query.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"query must be [num_tokens, num_q_heads, {key_cache.shape[3]}], "
+                         f"got {tuple(query.shape)}")
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} must match key_cache dtype {key_cache.dtype}")
+    if query.stride(-1) != 1:
+        raise ValueError(f"query must be contiguous in head_size, got strides {query.stride()}")
+    if query.device != key_cache.device:
+        raise ValueError(f"query is on {query.device}, key_cache on {key_cache.device}")
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(f"num_q_heads {query.shape[1]} is not a multiple of "
+                         f"num_kv_heads {num_kv_heads}")
+    return query.shape[1] // num_kv_heads
+
+
+def check_lens(name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
+    if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int32 or t.device != device:
+        raise ValueError(f"{name} must be [{n}] int32 on {device}, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_tile(**tiles: int) -> None:
+    for name, size in tiles.items():  # tl.dot needs power-of-two dims of at least 16
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # Kernels upcast Q and K to fp32 (the interpreter cannot dot bf16). A bf16/fp16 value is
+    # exact in TF32 (8 / 11 significant bits <= 11), so TF32 loses nothing there and keeps
+    # tensor cores; an fp32 cache needs IEEE to match the torch twin.
+    return "ieee" if dtype == torch.float32 else "tf32"
