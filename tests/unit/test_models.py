@@ -1,0 +1,88 @@
+"""The offline model directories load in transformers and behave like the models they stand for."""
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from h2o_vllm import models
+
+GPL3_START = "This program is free software: you can redistribute it and/or modify"
+
+
+def test_build_tiny_llama_is_fast_and_deterministic(tmp_path):
+    models.build_tiny_llama(tmp_path / "warm")  # first call pays the lazy imports, not the build
+    start = time.perf_counter()
+    first = models.build_tiny_llama(tmp_path / "a", seed=3)
+    assert time.perf_counter() - start < 5
+    second = models.build_tiny_llama(tmp_path / "b", seed=3)
+    for path in sorted(first.iterdir()):
+        assert path.read_bytes() == (second / path.name).read_bytes(), path.name
+
+
+def test_tiny_llama_loads_in_transformers(tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    config = model.config
+    assert model.dtype == torch.float32
+    assert len(tokenizer) == config.vocab_size == 512
+    assert config.num_key_value_heads < config.num_attention_heads  # GQA, as in SmolLM2
+    assert config.head_dim == 32  # one vLLM's CPU attention supports
+
+
+def test_tiny_llama_tokenizer_round_trips_text(tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    text = "Hello, world!  Two spaces, digits 12345 and ünïcode."
+    ids = tokenizer(text).input_ids
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_id not in ids  # no BOS/EOS added around the text
+
+
+def test_tiny_llama_generates_finite_logits_with_peaky_attention(tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager")
+    prompt = tokenizer(GPL3_START * 4, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=200, do_sample=False, min_new_tokens=200,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=tokenizer.pad_token_id)
+        assert all(torch.isfinite(step).all() for step in out.logits)
+        attentions = model(out.sequences, output_attentions=True).attentions
+    # H2O's keep/evict choices must not hinge on float noise: past the first tokens, each query's
+    # top key gets a large share of its attention (uniform would give < 1/64).
+    for layer in attentions:
+        top_share = layer[0, :, 64:].max(dim=-1).values.mean()
+        assert top_share > 0.3
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return tokenizer, model
+
+
+def test_smollm2_answers_paris(smollm2):
+    tokenizer, model = smollm2
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, prompt.input_ids.shape[1]:])
+
+
+def test_smollm2_tokenizer_splits_digits_and_adds_no_bos(smollm2):
+    tokenizer, _ = smollm2
+    assert tokenizer.tokenize("in 2024") == ["in", "Ġ", "2", "0", "2", "4"]
+    ids = tokenizer("The capital").input_ids
+    assert tokenizer.bos_token_id not in ids and len(ids) == 2
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.model_input_names == ["input_ids", "attention_mask"]
+
+
+def test_smollm2_chat_template_comes_from_the_gguf(smollm2):
+    tokenizer, _ = smollm2
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer("<|im_start|>").input_ids == [tokenizer.bos_token_id]  # one special token
