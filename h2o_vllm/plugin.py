@@ -19,6 +19,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.backend.H2OCPUAttentionBackend")
     vllm_hooks.register_kv_cache_spec()
+    vllm_hooks.install_engine_args_hook()
     vllm_hooks.install_runner_hook()
     vllm_hooks.install_scheduler_hook()
     _registered = True

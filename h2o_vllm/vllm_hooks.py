@@ -16,6 +16,10 @@ Manifest (each hook: target, why, upstream stand-in, remove when):
 - ``install_scheduler_hook`` wraps ``Scheduler.add_request`` / ``Scheduler._free_blocks``.
   Why: a single-type KV-cache manager only sees request ids, not per-request budgets
   (``SamplingParams.extra_args``). Remove when managers receive the request.
+- ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
+  (vllm/engine/arg_utils.py), in the process that builds the engine config.
+  Why: the H2O config must be validated, and prefix caching (on by default) turned off,
+  before any model weight loads. Not an upstream candidate: it is plugin policy.
 - ``register_kv_cache_spec`` calls the private ``KVCacheSpecRegistry._ensure_registered``.
   Why: registering first would otherwise leave vLLM's built-in specs unregistered.
 """
@@ -77,6 +81,27 @@ def register_kv_cache_spec() -> None:
 
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=FullAttentionSpec)
+
+
+def install_engine_args_hook() -> None:
+    """Validate ``additional_config["h2o"]`` and settle prefix caching before the model loads."""
+    _wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config", _create_engine_config_wrapper)
+
+
+def _create_engine_config_wrapper(original):
+    def create_engine_config(self, *args, **kwargs):
+        from h2o_vllm.config import config_from_additional
+        if config_from_additional(self.additional_config) is not None:
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    "--enable-prefix-caching cannot be combined with H2O KV eviction: compaction "
+                    "rewrites cached blocks. Drop --enable-prefix-caching (H2O turns it off).")
+            if self.enable_prefix_caching is None:
+                logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
+                               "(compaction rewrites blocks that prefix caching would share)")
+                self.enable_prefix_caching = False
+        return original(self, *args, **kwargs)
+    return create_engine_config
 
 
 def install_runner_hook() -> None:
