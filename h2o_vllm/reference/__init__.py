@@ -1,0 +1,15 @@
+"""The dense H2O oracle: a Hugging Face causal LM plus plain torch, no vLLM.
+
+The independent side of every token-for-token test (ARCHITECTURE.md, "What H2O is, precisely"):
+it imports ``h2o_vllm.config`` and torch only (the model is a Hugging Face module), never
+``policy``, ``worker`` or vLLM.
+
+    ref = H2OReference(model, H2OConfig(heavy_ratio=0.1, recent_ratio=0.1))
+    tokens = ref.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
+    ref.last_states[0].layers[0].positions   # [num_kv_heads, kv_len] kept logical positions
+    logprobs = ref.score(prompt, continuation)
+"""
+from h2o_vllm.reference.cache import LayerCache, SequenceState
+from h2o_vllm.reference.model import H2OReference
+
+__all__ = ["H2OReference", "LayerCache", "SequenceState"]

@@ -1,0 +1,135 @@
+"""Per-sequence, per-layer H2O state of the dense oracle: live K/V, logical positions, scores.
+
+Runs in the caller's process (tests, benchmarks); no vLLM. Semantics: ARCHITECTURE.md,
+"What H2O is, precisely".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_vllm.config import H2OConfig
+
+
+class LayerCache:
+    """The live tokens of one layer of one sequence, per KV head, in slot order.
+
+    Every KV head holds the same number of live tokens (``kv_len``) but its own set of them.
+    Slot order is logical order: appends go to the end and compaction preserves order.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, capacity: int = 64) -> None:
+        capacity = max(capacity, 1)
+        # keys, values: [num_kv_heads, capacity, head_dim] fp32, KV-space; keys after RoPE.
+        self._keys = torch.zeros(num_kv_heads, capacity, head_dim)
+        self._values = torch.zeros(num_kv_heads, capacity, head_dim)
+        # positions: [num_kv_heads, capacity] int64, the logical position of each live slot.
+        self._positions = torch.zeros(num_kv_heads, capacity, dtype=torch.long)
+        # scores: [num_kv_heads, capacity] fp32, H2O accumulated attention (see Score).
+        self._scores = torch.zeros(num_kv_heads, capacity)
+        self.kv_len = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[num_kv_heads, kv_len, head_dim] fp32 live keys (after RoPE)."""
+        return self._keys[:, : self.kv_len]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[num_kv_heads, kv_len, head_dim] fp32 live values."""
+        return self._values[:, : self.kv_len]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[num_kv_heads, kv_len] int64 logical positions of the live tokens, ascending per head."""
+        return self._positions[:, : self.kv_len]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[num_kv_heads, kv_len] fp32 accumulated scores of the live tokens."""
+        return self._scores[:, : self.kv_len]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write new tokens: keys/values [num_kv_heads, n, head_dim], positions [n]; scores start at 0."""
+        n = keys.shape[1]
+        end = self.kv_len + n
+        if end > self._keys.shape[1]:
+            self._grow(max(end, 2 * self._keys.shape[1]))
+        self._keys[:, self.kv_len:end] = keys
+        self._values[:, self.kv_len:end] = values
+        self._positions[:, self.kv_len:end] = positions
+        self._scores[:, self.kv_len:end] = 0.0
+        self.kv_len = end
+
+    def _grow(self, capacity: int) -> None:
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(t.shape[0], capacity, *t.shape[2:])
+            out[:, : self.kv_len] = t[:, : self.kv_len]
+            return out
+
+        self._keys, self._values = grown(self._keys), grown(self._values)
+        self._positions, self._scores = grown(self._positions), grown(self._scores)
+
+    def compact(self, heavy: int, recent: int) -> None:
+        """Keep, per KV head, the ``recent`` newest live tokens plus the ``heavy`` highest-scored
+        of the rest (ties keep the more recent token, see Eviction); order and scores move along."""
+        n = self.kv_len
+        if heavy + recent >= n:
+            return
+        num_candidates = n - recent
+        candidates = self.scores[:, :num_candidates]
+        # Sorting the reversed candidates stably puts, among equal scores, the newer token first.
+        order = torch.argsort(candidates.flip(-1), dim=-1, descending=True, stable=True)[:, :heavy]
+        heavy_slots = (num_candidates - 1 - order).sort(dim=-1).values
+        recent_slots = torch.arange(num_candidates, n).expand(self._keys.shape[0], recent)
+        keep = torch.cat([heavy_slots, recent_slots], dim=-1)  # [num_kv_heads, heavy + recent]
+        kept = heavy + recent
+        for buf in (self._positions, self._scores):
+            buf[:, :kept] = buf.gather(1, keep)
+        for buf in (self._keys, self._values):
+            buf[:, :kept] = buf.gather(1, keep.unsqueeze(-1).expand(-1, -1, buf.shape[-1]))
+        self.kv_len = kept
+
+
+@dataclass
+class SequenceState:
+    """Everything the oracle keeps for one sequence: one ``LayerCache`` per layer plus cadence.
+
+    ``num_tokens`` counts the logical tokens whose K/V have been written (for ``generate``, the
+    last generated token is never written). ``config=None`` means a full cache, no eviction.
+    """
+
+    prompt_len: int
+    config: H2OConfig | None
+    layers: list[LayerCache] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def heavy(self) -> int:
+        return self.config.budget(self.prompt_len)[0] if self.config else 0
+
+    @property
+    def recent(self) -> int:
+        return self.config.budget(self.prompt_len)[1] if self.config else 0
+
+    @property
+    def interval(self) -> int:
+        return self.config.resolved_interval(None) if self.config else 1
+
+    @property
+    def kv_len(self) -> int:
+        """Live tokens per (layer, KV head); the same in every layer and head."""
+        return self.layers[0].kv_len
+
+    def compact_if_due(self) -> bool:
+        """The cadence (see Cadence): after the prompt, shrink back to heavy + recent once the
+        cache has grown ``interval`` tokens past it. Returns whether it compacted."""
+        if self.config is None or self.num_tokens < self.prompt_len:
+            return False
+        heavy, recent = self.config.budget(self.prompt_len)
+        if self.kv_len < heavy + recent + self.interval:
+            return False
+        for layer in self.layers:
+            layer.compact(heavy, recent)
+        return True
