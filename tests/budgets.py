@@ -1,0 +1,24 @@
+"""The shared budget matrix, easy -> hard: engine tests parametrize over it instead of
+inventing cases. Each entry is an ``additional_config["h2o"]`` dict; requests carry it as
+per-request ``extra_args`` so one engine serves the whole matrix."""
+from h2o_vllm.config import H2OConfig
+
+BUDGETS = {
+    "ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1},
+    "ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1},
+    "tokens-8+8-block": {"heavy_tokens": 8, "recent_tokens": 8},
+    "tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1},
+    "local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1},
+}
+
+#: Larger than every sequence in the tests: H2O must then be token-identical to stock vLLM.
+LARGER_THAN_EVERY_SEQUENCE = {"heavy_tokens": 4096, "recent_tokens": 4096}
+
+
+def extra_args(budget: dict) -> dict:
+    return {f"h2o_{key}": value for key, value in budget.items()}
+
+
+def oracle_config(budget: dict, block_size: int) -> H2OConfig:
+    """The config the oracle must run: vLLM's default interval is one block."""
+    return H2OConfig.from_dict({"interval": block_size, **budget})
