@@ -22,4 +22,9 @@ def register() -> None:
     vllm_hooks.install_engine_args_hook()
     vllm_hooks.install_runner_hook()
     vllm_hooks.install_scheduler_hook()
+    vllm_hooks.install_cli_flags_hook()
+    vllm_hooks.install_request_validation_hook()
+    vllm_hooks.install_metrics_hooks()
+    from h2o_vllm import metrics
+    metrics.setup_process0()  # before vLLM spawns the engine core: children inherit the path
     _registered = True

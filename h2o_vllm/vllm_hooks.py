@@ -22,6 +22,23 @@ Manifest (each hook: target, why, upstream stand-in, remove when):
   before any model weight loads. Not an upstream candidate: it is plugin policy.
 - ``register_kv_cache_spec`` calls the private ``KVCacheSpecRegistry._ensure_registered``.
   Why: registering first would otherwise leave vLLM's built-in specs unregistered.
+- ``install_cli_flags_hook`` wraps ``EngineArgs.add_cli_args`` (vllm/engine/arg_utils.py) and
+  the ``parse_known_args`` of each parser it fills.
+  Why: vLLM has no plugin group for engine flags. The wrapper adds the "H2O KV eviction"
+  group (``h2o_vllm.flags``) to every engine parser (``vllm serve``, the API server,
+  ``vllm bench throughput``) and folds the flags into ``--additional-config`` right after
+  parsing, so a bad flag is an argparse error (exit 2) before anything loads.
+  Upstream: none (plugin-defined flags would need a vLLM plugin group). Remove when vLLM
+  lets plugins contribute engine arguments.
+- ``install_request_validation_hook`` wraps ``InputProcessor._validate_params``
+  (vllm/v1/engine/input_processor.py), in process 0.
+  Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
+  request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
+  Upstream: none needed while SamplingParams has no extension point for extra_args checks.
+- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` (engine core: freed blocks, live KV
+  tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
+  line beside vLLM's periodic stats). The worker side records in the runner hook above and
+  in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
 """
 from __future__ import annotations
 
@@ -156,6 +173,7 @@ def _build_attention_metadata_wrapper(original):
         finally:
             step_plan.set_current(None)
         _truncate_compacted_rows(self, plan)
+        _record_compactions(plan)
         return result
     return _build_attention_metadata
 
@@ -245,3 +263,147 @@ def _free_blocks_wrapper(original):
         requests.forget(request.request_id)
         return original(self, request)
     return _free_blocks
+
+
+def install_cli_flags_hook() -> None:
+    """Add ``--kv-eviction`` / ``--h2o-*`` to vLLM's engine parsers, folded at parse time."""
+    owner, original = _require("vllm.engine.arg_utils:EngineArgs.add_cli_args")
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def add_cli_args(parser, *args, **kwargs):
+        from h2o_vllm import flags
+        parser = original(parser, *args, **kwargs)
+        flags.add_h2o_args(parser)
+        _fold_after_parse(parser)
+        return parser
+    setattr(add_cli_args, _MARK, True)
+    owner.add_cli_args = staticmethod(add_cli_args)
+
+
+def _fold_after_parse(parser) -> None:
+    """Make ``parser`` fold the H2O flags into ``additional_config`` as it parses.
+
+    ``parse_known_args`` is the one method that both a top-level ``parse_args`` and a
+    subcommand (argparse's ``_SubParsersAction``) go through."""
+    original = parser.parse_known_args
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def parse_known_args(args=None, namespace=None):
+        from h2o_vllm import flags
+        namespace, rest = original(args, namespace)
+        try:
+            flags.fold_namespace(namespace)
+        except flags.FlagError as exc:
+            parser.error(str(exc))
+        return namespace, rest
+    setattr(parse_known_args, _MARK, True)
+    parser.parse_known_args = parse_known_args
+
+
+def install_request_validation_hook() -> None:
+    """Refuse bad per-request H2O budgets before the request is queued (HTTP 400)."""
+    _wrap("vllm.v1.engine.input_processor:InputProcessor._validate_params", _validate_params_wrapper)
+
+
+def _request_error(message: str, value) -> ValueError:
+    """A ``ValueError`` that vLLM's async front end also maps to HTTP 400.
+
+    ``AsyncLLM.generate`` turns any other exception, ``ValueError`` included, into a 500
+    ``EngineGenerateError``; only ``VLLMClientError`` passes through as a client error."""
+    from vllm.exceptions import VLLMValidationError
+
+    class H2ORequestError(VLLMValidationError, ValueError):
+        pass
+    return H2ORequestError(message, parameter="vllm_xargs", value=value)
+
+
+def check_request_overrides(additional_config, extra_args) -> None:
+    """Raise ``ValueError`` naming the bad ``extra_args`` key (OpenAI: ``vllm_xargs``)."""
+    from h2o_vllm.config import REQUEST_KEYS, config_from_additional, request_overrides
+    overrides = request_overrides(extra_args)
+    if not overrides:
+        return
+    config = config_from_additional(additional_config)
+    given = {k: v for k, v in extra_args.items() if k in REQUEST_KEYS}
+    keys = ", ".join(given)
+    if config is None:
+        raise _request_error(f"{keys}: H2O KV eviction is off in this engine; start it with --kv-eviction "
+                             "h2o (or additional_config={'h2o': {...}}) to use per-request budgets", given)
+    try:
+        config.with_overrides(overrides)
+    except ValueError as exc:
+        raise _request_error(f"invalid per-request H2O budget ({keys} in extra_args / vllm_xargs): {exc}",
+                             given) from None
+
+
+def _validate_params_wrapper(original):
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        extra_args = getattr(params, "extra_args", None)
+        if extra_args:
+            check_request_overrides(self.vllm_config.additional_config, extra_args)
+        return result
+    return _validate_params
+
+
+def install_metrics_hooks() -> None:
+    """Engine core: freed blocks and live KV tokens; process 0: the periodic INFO line."""
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
+    _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
+
+
+def _h2o_managers(scheduler) -> list:
+    from h2o_vllm.scheduler.manager import H2OManager
+    managers = scheduler.__dict__.get("_h2o_managers")
+    if managers is None:
+        coordinator = scheduler.kv_cache_manager.coordinator
+        managers = scheduler._h2o_managers = [m for m in coordinator.single_type_managers
+                                              if isinstance(m, H2OManager)]
+    return managers
+
+
+def _schedule_wrapper(original):
+    def schedule(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        if _h2o_of(self) is not None:
+            managers = _h2o_managers(self)
+            if managers:
+                from h2o_vllm import metrics
+                evicted = managers[0].num_evicted
+                live = sum(r.num_computed_tokens - evicted.get(r.request_id, 0) for r in self.running)
+                metrics.recorder().set(freed_blocks=sum(m.num_freed_blocks for m in managers),
+                                       live_kv_tokens=live)
+        return output
+    return schedule
+
+
+def _stats_log_wrapper(original):
+    def log(self):
+        original(self)
+        if _h2o_of(self) is not None:
+            from h2o_vllm import metrics
+            logger.info("%s", metrics.summary_line(metrics.read_totals()))
+    return log
+
+
+def _counts_once() -> bool:
+    """Whether this worker counts per-request events (the first TP and PP rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        return get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank
+    except (AssertionError, RuntimeError):  # no distributed state (unit tests)
+        return True
+
+
+def _record_compactions(plan) -> None:
+    """Tokens evicted and compactions of this step, from the plan the impl executes."""
+    due = plan.due
+    if not bool(due.any()) or not _counts_once():
+        return
+    from h2o_vllm import metrics
+    evicted = int((plan.kv_seq_lens[due] - plan.kv_lens_after[due]).sum())
+    metrics.recorder().add(evicted_tokens=evicted, compactions=int(due.sum()))

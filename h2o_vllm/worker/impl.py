@@ -9,11 +9,12 @@ from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
+from h2o_vllm import metrics
 from h2o_vllm.config import config_from_additional
 from h2o_vllm.worker.builder import H2OCPUAttentionMetadata
 from h2o_vllm.worker.compact import compact_row
 from h2o_vllm.worker.layout import cache_views
-from h2o_vllm.worker.scores import accumulate_decode_scores, accumulate_prefill_scores
+from h2o_vllm.worker.scores import accumulate_decode_scores, accumulate_prefill_scores, row_slots
 
 
 class H2OCPUImpl(CPUAttentionBackendImpl):
@@ -65,5 +66,10 @@ class H2OCPUImpl(CPUAttentionBackendImpl):
             accumulate_prefill_scores(query[start:start + q_len], views.keys, scores,
                                       md.block_table[row], int(kv_seq_lens[row]), self.scale)
         for row in plan.due.nonzero().flatten().tolist():
-            compact_row(views.keys, views.values, scores, md.block_table[row], int(kv_seq_lens[row]),
-                        int(plan.kv_lens_after[row]), int(plan.heavy[row]))
+            kv_len, target = int(kv_seq_lens[row]), int(plan.kv_lens_after[row])
+            blocks, offsets = row_slots(md.block_table[row], kv_len, block_size)
+            mass = float(scores[blocks, offsets].sum())
+            compact_row(views.keys, views.values, scores, md.block_table[row], kv_len,
+                        target, int(plan.heavy[row]))
+            kept = float(scores[blocks[:target], offsets[:target]].sum())
+            metrics.recorder().add(evicted_attention_mass=mass - kept, attention_mass=mass)
