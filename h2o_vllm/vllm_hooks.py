@@ -35,8 +35,8 @@ Manifest (each hook: target, why, upstream stand-in, remove when):
   Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
   request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
   Upstream: none needed while SamplingParams has no extension point for extra_args checks.
-- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` (engine core: freed blocks, live KV
-  tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
+- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` and ``Scheduler.update_from_output``
+  (engine core: freed blocks, live KV tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
   line beside vLLM's periodic stats). The worker side records in the runner hook above and
   in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
 """
@@ -353,6 +353,7 @@ def _validate_params_wrapper(original):
 def install_metrics_hooks() -> None:
     """Engine core: freed blocks and live KV tokens; process 0: the periodic INFO line."""
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _schedule_wrapper)
     _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
 
 
@@ -367,6 +368,7 @@ def _h2o_managers(scheduler) -> list:
 
 
 def _schedule_wrapper(original):
+    """After a schedule (blocks freed) and after a step's output (requests finished)."""
     def schedule(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:

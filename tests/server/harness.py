@@ -1,0 +1,140 @@
+"""Server-tier harness: `h2o-vllm serve` as a subprocess on 127.0.0.1, one per test module."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+H2O_VLLM = str(Path(sys.executable).with_name("h2o-vllm"))
+COMMON_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]
+OFFLINE_SCRIPT = str(Path(__file__).with_name("offline.py"))
+
+
+def server_env() -> dict:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Server:
+    """A running server; ``stop()`` ends its whole process group and checks nothing is left."""
+
+    def __init__(self, model_dir, args, timeout_s: float = 240) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="h2o-server-", suffix=".log", delete=False)
+        cmd = [H2O_VLLM, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+               *COMMON_ARGS, *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=server_env(),
+                                     start_new_session=True)
+        self.timeout_s = timeout_s
+
+    def wait_ready(self) -> "Server":
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not ready after {self.timeout_s} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-n:]
+
+    def client(self):
+        import openai
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("h2o_vllm:"):
+                name, value = line.rsplit(" ", 1)
+                values[name.removeprefix("h2o_vllm:")] = float(value)
+        return values
+
+    def settled_metrics(self) -> dict[str, float]:
+        """Metrics once earlier requests' last updates have landed (writers flush every 0.2 s)."""
+        values = self.metrics()
+        while True:
+            time.sleep(0.6)
+            again = self.metrics()
+            if again == values:
+                return values
+            values = again
+
+    def stop(self) -> None:
+        """SIGTERM to the group (API server, engine core, worker); the group must be empty."""
+        pgid = self.proc.pid
+        if group_alive(pgid):
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while group_alive(pgid) and time.monotonic() < deadline:
+            self.proc.poll()
+            time.sleep(0.2)
+        orphans = group_alive(pgid)
+        if orphans:
+            os.killpg(pgid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        assert not orphans, f"server processes left 30 s after SIGTERM:\n{self.tail()}"
+
+
+class Offline:
+    """Reference answers from `LLM.generate` / `LLM.chat`, computed in a subprocess that runs
+    while the server starts (see offline.py for the spec format)."""
+
+    def __init__(self, spec: dict) -> None:
+        self.out = tempfile.NamedTemporaryFile(prefix="h2o-offline-", suffix=".json", delete=False).name
+        spec_path = self.out + ".spec"
+        Path(spec_path).write_text(json.dumps(spec))
+        self.proc = subprocess.Popen([sys.executable, OFFLINE_SCRIPT, spec_path, self.out],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=server_env(), start_new_session=True, text=True)
+
+    def result(self, timeout_s: float = 300) -> dict:
+        try:
+            log, _ = self.proc.communicate(timeout=timeout_s)
+        finally:
+            if group_alive(self.proc.pid):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        assert self.proc.returncode == 0, log[-4000:]
+        return json.loads(Path(self.out).read_text())
+
+
+#: The tiny tokenizer has no chat template.
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def wait_for(predicate, timeout_s: float = 5.0):
+    """Poll ``predicate()`` until it returns a truthy value (metrics are flushed every 0.2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)

@@ -1,0 +1,141 @@
+"""A real `h2o-vllm serve` of the tiny Llama with H2O on: answers equal offline `LLM.generate`,
+per-request budgets act as requested, /metrics counts exactly what the engine evicted, bad
+per-request values get a 400 and the server keeps serving."""
+import math
+
+import openai
+import pytest
+from harness import TINY_CHAT_TEMPLATE, Offline, Server, wait_for
+
+from h2o_vllm.config import H2OConfig
+from h2o_vllm.policy import kv_len_after
+
+BLOCK_SIZE = 16
+ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 4}
+FLAGS = ["--kv-eviction", "h2o", "--h2o-heavy-tokens", "8", "--h2o-recent-tokens", "8",
+         "--h2o-interval", "4", "--block-size", str(BLOCK_SIZE)]
+MAX_TOKENS = 40
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch and the "
+    "sun sets slowly behind the hills of the quiet valley where nothing ever seems to happen",
+    "Free software is a matter of liberty, not price; to understand the concept you should think "
+    "of free as in free speech, not as in free beer, and of the freedom to run, copy and study",
+]
+#: Per-request budgets (vllm_xargs); None: the engine's budget from the flags.
+XARGS = [None,
+         {"h2o_heavy_tokens": 4, "h2o_recent_tokens": 4, "h2o_interval": 1},
+         {"h2o_heavy_ratio": 0.05, "h2o_recent_ratio": 0.05}]
+CASES = [(prompt, xargs) for prompt in PROMPTS for xargs in XARGS]
+CHAT = [{"role": "user", "content": PROMPTS[0]}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    server = Server(tiny_llama_dir, [*FLAGS, "--chat-template", TINY_CHAT_TEMPLATE])
+    offline = Offline({
+        "model": str(tiny_llama_dir),
+        "llm": {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True, "seed": 0,
+                "block_size": BLOCK_SIZE, "additional_config": {"h2o": ENGINE_H2O}},
+        "completions": [{"prompt": p, "max_tokens": MAX_TOKENS, "extra_args": x} for p, x in CASES],
+        "chats": [{"messages": CHAT, "max_tokens": MAX_TOKENS, "extra_args": XARGS[1]}],
+        "chat_template": TINY_CHAT_TEMPLATE,
+    })
+    try:
+        server.wait_ready()
+        yield server, offline.result()
+    finally:
+        server.stop()
+
+
+def _complete(server, prompt, xargs, **kwargs):
+    extra_body = {"ignore_eos": True, "return_token_ids": True}
+    if xargs:
+        extra_body["vllm_xargs"] = xargs
+    return server.client().completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                              temperature=0.0, extra_body=extra_body, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    server, _ = served
+    server.model = server.client().models.list().data[0].id
+    return server
+
+
+def test_completions_match_offline_generate(server, served):
+    _, offline = served
+    answers = [_complete(server, prompt, xargs).choices[0].token_ids for prompt, xargs in CASES]
+    assert answers == offline["completions"]
+    # The budgets are not vacuous: smaller budgets change the greedy answer.
+    assert len({tuple(a) for a in answers[:3]}) > 1
+
+
+def test_chat_completion_matches_offline_chat(server, served):
+    _, offline = served
+    response = server.client().chat.completions.create(
+        model=server.model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "vllm_xargs": XARGS[1]})
+    assert response.choices[0].token_ids == offline["chats"][0]
+
+
+def test_streaming_completion_matches_non_streaming(server):
+    whole = _complete(server, PROMPTS[1], XARGS[2]).choices[0].text
+    stream = _complete(server, PROMPTS[1], XARGS[2], stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == whole
+
+
+def _expected(prompt_len: int, num_generated: int, config: H2OConfig) -> dict[str, int]:
+    """What the engine evicts for one request, from the shared policy: the worker compacts
+    after a step when the live length falls; the scheduler frees the tail blocks at the
+    next schedule (none after the last step: the request ends and frees everything)."""
+    def kv(t):
+        return kv_len_after(t, prompt_len, config, BLOCK_SIZE)
+    # Steps: the prefill (0 -> prompt_len tokens processed), then one token per decode step;
+    # the last sampled token is never processed.
+    steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, prompt_len + num_generated - 1)]
+    evicted = compactions = freed = held = 0
+    for before, after in steps:
+        keep = math.ceil(kv(before) / BLOCK_SIZE)      # remove_skipped_blocks at this schedule
+        freed += max(0, held - keep)
+        held = max(min(held, keep), math.ceil((kv(before) + after - before) / BLOCK_SIZE))
+        dropped = kv(before) + (after - before) - kv(after)
+        evicted += dropped
+        compactions += dropped > 0
+    return {"evicted_tokens": evicted, "compactions": compactions, "freed_blocks": freed}
+
+
+@pytest.mark.parametrize("xargs", XARGS, ids=["engine-budget", "tokens-4+4-interval1", "ratio-0.05+0.05"])
+def test_request_budget_sets_evicted_counts_and_metrics(server, xargs):
+    config = H2OConfig.from_dict(ENGINE_H2O).with_overrides(
+        {k.removeprefix("h2o_"): v for k, v in (xargs or {}).items()})
+    before = server.settled_metrics()
+    usage = _complete(server, PROMPTS[0], xargs).usage
+    expected = _expected(usage.prompt_tokens, usage.completion_tokens, config)
+    assert expected["evicted_tokens"] > 0 and expected["freed_blocks"] > 0
+
+    def delta():
+        now = server.metrics()
+        got = {name: now[f"{name}_total"] - before[f"{name}_total"] for name in expected}
+        return (got, now) if got == expected and now["live_kv_tokens"] == 0 else None
+    result = wait_for(delta)
+    now = server.metrics()
+    assert result is not None, (expected, now, before)
+    # The live KV length the request ended with is its budget, as the policy says.
+    processed = usage.prompt_tokens + usage.completion_tokens - 1
+    assert processed - expected["evicted_tokens"] == kv_len_after(processed, usage.prompt_tokens, config,
+                                                                  BLOCK_SIZE)
+    mass = now["attention_mass_total"] - before["attention_mass_total"]
+    dropped = now["evicted_attention_mass_total"] - before["evicted_attention_mass_total"]
+    assert 0 < dropped < mass
+    assert 0 < now["evicted_attention_share"] < 1
+
+
+@pytest.mark.parametrize("xargs, match", [
+    ({"h2o_heavy_ratio": 1.5}, "h2o_heavy_ratio"),
+    ({"h2o_interval": 0}, "h2o_interval"),
+    ({"h2o_recent_tokens": 8, "h2o_recent_ratio": 0.1}, "recent"),
+])
+def test_bad_request_budget_is_400_and_server_keeps_serving(server, xargs, match):
+    with pytest.raises(openai.BadRequestError, match=match):
+        _complete(server, PROMPTS[0], xargs)
+    assert _complete(server, PROMPTS[0], None).choices[0].finish_reason == "length"

@@ -1,0 +1,114 @@
+"""--kv-eviction / --h2o-* flags: parsing, folding into additional_config, conflicts; per-request checks."""
+import argparse
+
+import pytest
+
+from h2o_vllm import flags
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--additional-config", type=lambda s: __import__("json").loads(s), default={})
+    flags.add_h2o_args(parser)
+    return parser
+
+
+def _fold(argv):
+    args = _parser().parse_args(argv)
+    flags.fold_namespace(args)
+    return args.additional_config
+
+
+def test_flags_fold_into_additional_config():
+    assert _fold(["--kv-eviction", "h2o", "--h2o-heavy-ratio", "0.2", "--h2o-recent-tokens", "16",
+                  "--h2o-interval", "4"]) == {"h2o": {"heavy_ratio": 0.2, "recent_tokens": 16, "interval": 4}}
+
+
+def test_flags_kv_eviction_h2o_alone_is_paper_default():
+    assert _fold(["--kv-eviction", "h2o"]) == {"h2o": {}}
+
+
+def test_flags_h2o_flag_alone_implies_h2o():
+    assert _fold(["--h2o-heavy-ratio", "0.05"]) == {"h2o": {"heavy_ratio": 0.05}}
+
+
+def test_flags_absent_leave_config_untouched():
+    assert _fold([]) == {}
+    assert _fold(["--kv-eviction", "none"]) == {}
+    assert _fold(["--additional-config", '{"other": 1}']) == {"other": 1}
+
+
+def test_flags_merge_with_additional_config_and_keep_other_keys():
+    assert _fold(["--additional-config", '{"other": 1, "h2o": {"heavy_ratio": 0.1}}',
+                  "--h2o-recent-ratio", "0.3"]) == {"other": 1, "h2o": {"heavy_ratio": 0.1, "recent_ratio": 0.3}}
+
+
+def test_flags_same_value_both_ways_is_fine():
+    assert _fold(["--additional-config", '{"h2o": {"interval": 8}}', "--h2o-interval", "8"]) == \
+        {"h2o": {"interval": 8}}
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--additional-config", '{"h2o": {"heavy_ratio": 0.1}}', "--h2o-heavy-ratio", "0.2"], "--h2o-heavy-ratio"),
+    (["--additional-config", '{"h2o": {"heavy_ratio": 0.1}}', "--h2o-heavy-tokens", "8"], "--h2o-heavy-tokens"),
+    (["--additional-config", '{"h2o": {}}', "--kv-eviction", "none"], "--kv-eviction"),
+    (["--kv-eviction", "none", "--h2o-interval", "4"], "--h2o-interval"),
+    (["--h2o-heavy-ratio", "0", "--h2o-recent-ratio", "0"], "--h2o-heavy-ratio"),
+    (["--kv-eviction", "h2o", "--additional-config", '{"h2o": {"bogus": 1}}'], "--additional-config"),
+])
+def test_flags_conflicts_are_errors_naming_the_flag(argv, flag):
+    with pytest.raises(flags.FlagError, match=flag):
+        _fold(argv)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--h2o-heavy-ratio", "1.5"], "--h2o-heavy-ratio"),
+    (["--h2o-recent-ratio", "abc"], "--h2o-recent-ratio"),
+    (["--h2o-heavy-tokens", "-1"], "--h2o-heavy-tokens"),
+    (["--h2o-recent-tokens", "2.5"], "--h2o-recent-tokens"),
+    (["--h2o-interval", "0"], "--h2o-interval"),
+    (["--kv-eviction", "lru"], "--kv-eviction"),
+])
+def test_flags_bad_values_are_parse_errors_naming_the_flag(argv, flag):
+    with pytest.raises(argparse.ArgumentError, match=flag):
+        _parser().parse_args(argv)
+
+
+def test_flags_group_added_once():
+    parser = _parser()
+    flags.add_h2o_args(parser)
+    assert [g.title for g in parser._action_groups].count(flags.GROUP_TITLE) == 1
+
+
+def test_flags_in_vllm_engine_parser_fold_at_parse_time():
+    """Through vLLM's own parser, with the plugin's hook: folded namespace, argparse exit 2."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())  # loads the plugin first
+    args = parser.parse_args(["--kv-eviction", "h2o", "--h2o-heavy-tokens", "8"])
+    assert args.additional_config == {"h2o": {"heavy_tokens": 8}}
+    assert AsyncEngineArgs.from_cli_args(args).additional_config == {"h2o": {"heavy_tokens": 8}}
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--h2o-recent-tokens", "8", "--additional-config", '{"h2o": {"recent_ratio": 0.1}}'])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("extra_args, match", [
+    ({"h2o_heavy_ratio": 1.5}, "h2o_heavy_ratio"),
+    ({"h2o_interval": 0}, "h2o_interval"),
+    ({"h2o_heavy_ratio": 0, "h2o_recent_ratio": 0}, "budget is zero"),
+    ({"h2o_heavy_tokens": "8"}, "h2o_heavy_tokens"),
+])
+def test_request_overrides_bad_values_raise_value_error(extra_args, match):
+    from h2o_vllm.vllm_hooks import check_request_overrides
+    with pytest.raises(ValueError, match=match):
+        check_request_overrides({"h2o": {}}, extra_args)
+
+
+def test_request_overrides_need_h2o_on():
+    from h2o_vllm.vllm_hooks import check_request_overrides
+    with pytest.raises(ValueError, match="off"):
+        check_request_overrides({}, {"h2o_heavy_ratio": 0.1})
+    check_request_overrides({}, {"unrelated": 1})
+    check_request_overrides({"h2o": {"heavy_tokens": 4}}, {"h2o_heavy_ratio": 0.05, "h2o_recent_ratio": 0.05})
