@@ -1,0 +1,357 @@
+"""Upstream-drift guards for h2o_vllm.vllm_hooks and the plugin's registrations.
+
+They check that the vLLM 0.32 internals the hooks were written against are still there, in
+the shape recorded here, and that ``register()`` installs everything once. They are NOT
+behaviour or equivalence tests.
+
+What is guarded here:
+- every symbol vllm_hooks ``_require``s or ``_wrap``s exists with the parameter list its hook
+  was written against (``SIGNATURES``, literals); a hook added without a recorded signature
+  fails ``test_every_required_symbol_is_recorded``. The same for the vLLM methods our
+  subclasses override or call (``OVERRIDDEN``);
+- what the runner hook reads: ``num_reqs`` (second positional) and the ``num_scheduled_tokens``
+  keyword, passed by keyword where ``execute_model`` calls it; the CPU runner inheriting it;
+  ``InputBatch.req_ids / num_computed_tokens_cpu / num_prompt_tokens / block_table[g]
+  .num_blocks_per_row``, ``CachedRequestState.block_ids``, and the runner, scheduler and
+  manager attributes the hooks and ``H2OManager`` touch;
+- the dataclass fields we read or rebuild: ``CommonAttentionMetadata``, ``CPUAttentionMetadata``;
+- ``register()`` twice: each patched attribute is the same object, carries ``_MARK``, and
+  ``inspect.unwrap`` reaches the object captured before ``register()`` ran;
+- the version guard, and ``_require``'s error for a missing symbol;
+- vLLM's own answers after ``register()``: the CPU platform's attention selector returns
+  ``H2OCPUAttentionBackend``; ``KVCacheSpecRegistry`` maps ``H2OAttentionSpec`` to
+  ``H2OManager`` while built-in specs still resolve; ``merge`` keeps ``h2o``; the spec pickles.
+
+What is NOT guarded here:
+- that the hooks compute the right thing (exact tokens against the dense oracle, block counts,
+  pool drain, preemption): tests/engine/;
+- vLLM's V2 model runner (v1/worker/gpu/*, not used on CPU without Triton-CPU) and CUDA paths;
+- vLLM behaviour we do not touch through a recorded symbol.
+"""
+import ast
+import dataclasses
+import importlib
+import inspect
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h2o_vllm import vllm_hooks
+from h2o_vllm.vllm_hooks import _MARK
+
+
+def _resolve(path: str):
+    """(owner, attribute) for "module:Qual.name", independent of vllm_hooks._require."""
+    module_name, _, qualname = path.partition(":")
+    owner = importlib.import_module(module_name)
+    *parents, name = qualname.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner, getattr(owner, name)
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
+
+# Every symbol vllm_hooks names in _require/_wrap -> parameter names, as written against 0.32.0.
+SIGNATURES = {
+    f"{_RUNNER}._build_attention_metadata": [
+        "self", "num_tokens", "num_reqs", "max_query_len", "num_tokens_padded", "num_reqs_padded",
+        "ubatch_slices", "logits_indices", "max_num_sampled_tokens", "use_spec_decode",
+        "for_cudagraph_capture", "num_scheduled_tokens", "slot_mappings"],
+    f"{_RUNNER}.get_kv_cache_spec": ["self"],
+    f"{_SCHEDULER}.add_request": ["self", "request"],
+    f"{_SCHEDULER}._free_blocks": ["self", "request"],
+    f"{_SCHEDULER}.schedule": ["self", "throttle_prefills"],
+    f"{_SCHEDULER}.update_from_output": ["self", "scheduler_output", "model_runner_output"],
+    "vllm.engine.arg_utils:EngineArgs.create_engine_config": ["self", "usage_context", "headless"],
+    "vllm.engine.arg_utils:EngineArgs.add_cli_args": ["parser"],
+    "vllm.v1.engine.input_processor:InputProcessor._validate_params":
+        ["self", "params", "supported_tasks"],
+    "vllm.v1.metrics.loggers:LoggingStatLogger.log": ["self"],
+}
+
+_STM = "vllm.v1.core.single_type_kv_cache_manager"
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+# vLLM methods our subclasses override or the hooks call directly (not through _require).
+OVERRIDDEN = {
+    f"{_STM}:SingleTypeKVCacheManager.__init__": [
+        "self", "kv_cache_spec", "block_pool", "enable_caching", "kv_cache_group_id",
+        "scheduler_block_size", "dcp_world_size", "pcp_world_size", "needs_kv_cache_zeroing",
+        "max_admission_blocks_per_request"],
+    f"{_STM}:SingleTypeKVCacheManager.remove_skipped_blocks":
+        ["self", "request_id", "processed_computed_tokens", "num_prompt_tokens"],
+    f"{_STM}:SingleTypeKVCacheManager.get_num_blocks_to_allocate": [
+        "self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
+        "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "prefill_end"],
+    f"{_STM}:SingleTypeKVCacheManager.allocate_new_blocks":
+        ["self", "request_id", "num_tokens", "num_tokens_main_model"],
+    f"{_STM}:SingleTypeKVCacheManager.pop_blocks_for_free": ["self", "request_id"],
+    f"{_STM}:SingleTypeKVCacheManager.cache_blocks":
+        ["self", "request", "num_tokens", "retention_interval", "replay_boundaries"],
+    f"{_STM}:SingleTypeKVCacheManager.add_local_computed_blocks": [
+        "self", "request_id", "new_computed_blocks", "num_local_computed_tokens",
+        "num_external_computed_tokens"],
+    f"{_STM}:FullAttentionManager.find_longest_cache_hit": [
+        "block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec",
+        "drop_eagle_block", "alignment_tokens", "dcp_world_size", "pcp_world_size"],
+    "vllm.v1.kv_cache_interface:FullAttentionSpec.merge": ["specs"],
+    "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered": ["vllm_config"],
+    "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.register":
+        ["kvcache_spec_cls", "manager_class", "uniform_type_base_spec"],
+    "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.get_manager_class": ["kvcache_spec", "role"],
+    "vllm.v1.attention.backends.registry:register_backend": ["backend", "class_path", "is_mamba"],
+    f"{_CPU_ATTN}:CPUAttentionMetadataBuilder.__init__":
+        ["self", "kv_cache_spec", "layer_names", "vllm_config", "device"],
+    f"{_CPU_ATTN}:CPUAttentionMetadataBuilder.build":
+        ["self", "common_prefix_len", "common_attn_metadata", "fast_build"],
+    f"{_CPU_ATTN}:CPUAttentionMetadataBuilder._set_isa_to_layers": ["self", "layer_names"],
+    f"{_CPU_ATTN}:CPUAttentionBackendImpl.forward": [
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+        "output_scale", "output_block_scale"],
+    f"{_CPU_ATTN}:CPUAttentionBackendImpl.do_kv_cache_update":
+        ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
+    f"{_CPU_ATTN}:CPUAttentionBackend.get_supported_kernel_block_sizes": ["kv_cache_spec"],
+    "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls":
+        ["selected_backend", "attn_selector_config", "num_heads"],
+    "vllm.utils.math_utils:cdiv": ["a", "b"],
+}
+
+# Captured at import, before this test module calls register(). When another test in this
+# pytest process already registered the plugin, these are wrappers: the idempotence test then
+# reruns this module in a fresh interpreter.
+PRISTINE = {path: _resolve(path)[1] for path in SIGNATURES}
+PRISTINE_IS_REAL = not any(getattr(obj, _MARK, False) for obj in PRISTINE.values())
+
+
+@pytest.fixture(scope="module")
+def registered():
+    from h2o_vllm import plugin
+    plugin.register()
+    return plugin
+
+
+def _params(obj) -> list[str]:
+    return list(inspect.signature(inspect.unwrap(obj)).parameters)
+
+
+def test_every_required_symbol_is_recorded():
+    tree = ast.parse(Path(vllm_hooks.__file__).read_text())
+    named = {node.args[0].value for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in ("_require", "_wrap")
+             and node.args and isinstance(node.args[0], ast.Constant)}
+    assert named == set(SIGNATURES), (
+        f"record the signature of each new hook target: missing {sorted(named - set(SIGNATURES))}, "
+        f"stale {sorted(set(SIGNATURES) - named)}")
+
+
+@pytest.mark.parametrize("path", sorted(SIGNATURES))
+def test_required_symbol_has_recorded_signature(path):
+    assert _params(PRISTINE[path]) == SIGNATURES[path]
+
+
+@pytest.mark.parametrize("path", sorted(OVERRIDDEN))
+def test_overridden_symbol_has_recorded_signature(path):
+    assert _params(_resolve(path)[1]) == OVERRIDDEN[path]
+
+
+def test_runner_hook_reads_num_reqs_and_num_scheduled_tokens():
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    params = inspect.signature(inspect.unwrap(GPUModelRunner._build_attention_metadata)).parameters
+    # The wrapper reads args[1] (after self) when num_reqs is positional.
+    assert list(params)[2] == "num_reqs"
+    assert params["num_scheduled_tokens"].default is None
+    # execute_model passes both by keyword; dummy runs pass no num_scheduled_tokens (no plan).
+    calls = [node for node in ast.walk(ast.parse(inspect.getsource(gpu_model_runner)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "_build_attention_metadata"]
+    assert len(calls) == 2 and all(not call.args for call in calls)
+    keywords = [{kw.arg for kw in call.keywords} for call in calls]
+    assert sum({"num_reqs", "num_scheduled_tokens"} <= kws for kws in keywords) == 1
+    assert sum("num_scheduled_tokens" not in kws for kws in keywords) == 1
+    # The CPU runner inherits both hooked methods.
+    for name in ("_build_attention_metadata", "get_kv_cache_spec"):
+        assert name not in CPUModelRunner.__dict__
+        assert issubclass(CPUModelRunner, GPUModelRunner)
+
+
+def test_input_batch_rows_expose_what_the_runner_hook_reads():
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    batch = InputBatch(max_num_reqs=2, max_model_len=64, max_num_batched_tokens=64,
+                       device=torch.device("cpu"), vocab_size=100, block_sizes=[16],
+                       max_num_blocks_per_req=[4])
+    state = CachedRequestState(req_id="r0", prompt_token_ids=[1, 2, 3, 4, 5], mm_features=[],
+                               sampling_params=SamplingParams(extra_args={"k": 1}),
+                               generator=None, block_ids=([7, 8],), num_computed_tokens=3,
+                               output_token_ids=[])
+    batch.add_request(state)
+    assert batch.req_ids[:1] == ["r0"]
+    assert batch.num_computed_tokens_cpu[:1].tolist() == [3]
+    assert batch.num_prompt_tokens[:1].tolist() == [5]
+    assert state.num_prompt_tokens == 5 and state.sampling_params.extra_args == {"k": 1}
+    table = batch.block_table[0]
+    assert table.num_blocks_per_row[:1].tolist() == [2]
+    assert table.block_table.np[0, :2].tolist() == [7, 8]
+    # The hook truncates a row in place: both are mutable, per group.
+    assert isinstance(state.block_ids, tuple) and isinstance(state.block_ids[0], list)
+    table.num_blocks_per_row[0] = 1
+    assert table.num_blocks_per_row[0] == 1
+
+
+def _assigned(cls) -> set[str]:
+    return set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", inspect.getsource(cls)))
+
+
+@pytest.mark.parametrize("path, attrs", [
+    (_RUNNER, {"requests", "input_batch", "kv_cache_config", "vllm_config"}),
+    (_SCHEDULER, {"vllm_config", "kv_cache_manager", "running"}),
+    ("vllm.v1.core.kv_cache_manager:KVCacheManager", {"coordinator"}),
+    ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", {"single_type_managers"}),
+    (f"{_STM}:SingleTypeKVCacheManager", {"req_to_blocks", "block_pool", "block_size",
+                                           "kv_cache_spec"}),
+    ("vllm.v1.request:Request", {"request_id", "sampling_params", "num_computed_tokens",
+                                 "num_prompt_tokens"}),
+    ("vllm.v1.metrics.loggers:LoggingStatLogger", {"vllm_config"}),
+    ("vllm.v1.engine.input_processor:InputProcessor", {"vllm_config"}),
+    (f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", {"isa", "block_size"}),
+])
+def test_instance_attributes_the_hooks_touch_are_assigned(path, attrs):
+    cls = _resolve(path)[1]
+    assigned = set().union(*(_assigned(c) for c in cls.__mro__ if c.__module__.startswith("vllm")))
+    assert attrs <= assigned, f"{path} no longer assigns {sorted(attrs - assigned)}"
+
+
+def _fields(path: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(_resolve(path)[1])}
+
+
+def test_dataclass_fields_the_hooks_read_or_rebuild():
+    assert {"seq_lens", "max_seq_len", "slot_mapping", "block_table_tensor", "num_actual_tokens",
+            "query_start_loc"} <= _fields("vllm.v1.attention.backend:CommonAttentionMetadata")
+    assert {"num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens",
+            "block_table", "slot_mapping", "scheduler_metadata"} <= _fields(
+                f"{_CPU_ATTN}:CPUAttentionMetadata")
+    assert {"additional_config", "enable_prefix_caching"} <= _fields(
+        "vllm.engine.arg_utils:EngineArgs")
+    assert {"block_ids", "sampling_params"} <= _fields(
+        "vllm.v1.worker.gpu_input_batch:CachedRequestState")
+    assert "extra_args" in inspect.signature(_resolve("vllm.sampling_params:SamplingParams")[1]
+                                             ).parameters
+    assert "kv_cache_spec" in _fields("vllm.v1.kv_cache_interface:KVCacheGroupSpec")
+    assert "kv_cache_groups" in _fields("vllm.v1.kv_cache_interface:KVCacheConfig")
+
+
+def check_register_idempotent() -> None:
+    """register() twice: same patched objects, marked, unwrapping to the pristine ones."""
+    from h2o_vllm import plugin
+    plugin.register()
+    first = {path: _resolve(path)[1] for path in SIGNATURES}
+    plugin._registered = False  # make the second call reach every install_* again
+    plugin.register()
+    for path, pristine in PRISTINE.items():
+        now = _resolve(path)[1]
+        assert now is first[path], f"{path} was wrapped twice"
+        assert getattr(now, _MARK, False), f"{path} is not marked"
+        assert now is not pristine, f"{path} is not patched"
+        assert inspect.unwrap(now) is pristine, f"{path} does not unwrap to vLLM's original"
+
+
+def test_register_twice_patches_once():
+    if PRISTINE_IS_REAL:
+        check_register_idempotent()
+        return
+    code = (f"import runpy; ns = runpy.run_path({__file__!r}); "
+            "assert ns['PRISTINE_IS_REAL']; ns['check_register_idempotent'](); print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_check_vllm_version_names_both_versions():
+    import vllm
+    assert vllm.__version__.startswith("0.32.")
+    vllm_hooks.check_vllm_version()
+    vllm_hooks.check_vllm_version("0.32.0")
+    with pytest.raises(RuntimeError) as error:
+        vllm_hooks.check_vllm_version("0.33.0")
+    assert "0.33.0" in str(error.value) and "0.32.0" in str(error.value)
+
+
+def test_require_names_a_missing_symbol_and_the_supported_range():
+    with pytest.raises(RuntimeError) as error:
+        vllm_hooks._require("vllm.nonexistent:X")
+    assert "vllm.nonexistent:X" in str(error.value)
+    assert str(vllm_hooks.SUPPORTED_VLLM) in str(error.value)
+    with pytest.raises(RuntimeError, match="GPUModelRunner.no_such_method"):
+        vllm_hooks._require(f"{_RUNNER}.no_such_method")
+
+
+def test_cpu_attention_selector_returns_h2o_backend(registered):
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from h2o_vllm.worker.backend import H2OCPUAttentionBackend
+    config = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype="auto",
+                                     block_size=16)
+    for selected in (None, AttentionBackendEnum.CPU_ATTN):
+        path = CpuPlatform.get_attn_backend_cls(selected, attn_selector_config=config)
+        assert resolve_obj_by_qualname(path) is H2OCPUAttentionBackend
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is H2OCPUAttentionBackend
+
+
+def _full(**overrides):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    return FullAttentionSpec(**{"block_size": 16, "num_kv_heads": 2, "head_size": 64,
+                                "dtype": torch.float32, **overrides})
+
+
+def test_registry_maps_h2o_spec_and_keeps_builtins(registered):
+    from vllm.v1.core.single_type_kv_cache_manager import (FullAttentionManager,
+                                                           SlidingWindowManager)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from h2o_vllm.config import H2OConfig
+    from h2o_vllm.scheduler.manager import H2OManager
+    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    spec = H2OAttentionSpec.from_full(_full(), H2OConfig())
+    assert KVCacheSpecRegistry.get_manager_class(spec) is H2OManager
+    assert KVCacheSpecRegistry.get_manager_class(_full()) is FullAttentionManager
+    import torch
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                               sliding_window=128)
+    assert KVCacheSpecRegistry.get_manager_class(window) is SlidingWindowManager
+
+
+def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
+    from h2o_vllm.config import H2OConfig
+    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    config = H2OConfig(heavy_ratio=0.3, recent_ratio=0.2)
+    assert config != H2OConfig()
+    spec = H2OAttentionSpec.from_full(_full(), config)
+    merged = H2OAttentionSpec.merge([spec, spec])
+    assert type(merged) is H2OAttentionSpec and merged.h2o == config
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert pickle.loads(pickle.dumps(merged)).h2o == config
+
+
+def test_pure_modules_import_no_vllm():
+    # config and policy are also checked in test_policy.py; reference is the independent side.
+    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.reference; "
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
