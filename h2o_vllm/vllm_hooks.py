@@ -18,8 +18,9 @@ Manifest (each hook: target, why, upstream stand-in, remove when):
   (``SamplingParams.extra_args``). Remove when managers receive the request.
 - ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
   (vllm/engine/arg_utils.py), in the process that builds the engine config.
-  Why: the H2O config must be validated, and prefix caching (on by default) turned off,
-  before any model weight loads. Not an upstream candidate: it is plugin policy.
+  Why: the H2O config must be validated, prefix caching (on by default) turned off, and
+  conflicting settings refused (``h2o_vllm.conflicts``) before any model weight loads.
+  Not an upstream candidate: it is plugin policy.
 - ``register_kv_cache_spec`` calls the private ``KVCacheSpecRegistry._ensure_registered``.
   Why: registering first would otherwise leave vLLM's built-in specs unregistered.
 - ``install_cli_flags_hook`` wraps ``EngineArgs.add_cli_args`` (vllm/engine/arg_utils.py) and
@@ -107,8 +108,11 @@ def install_engine_args_hook() -> None:
 
 def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
+        from h2o_vllm import conflicts
         from h2o_vllm.config import config_from_additional
-        if config_from_additional(self.additional_config) is not None:
+        h2o = config_from_additional(self.additional_config)
+        if h2o is not None:
+            conflicts.check_engine_args(self, h2o)
             if self.enable_prefix_caching:
                 raise ValueError(
                     "--enable-prefix-caching cannot be combined with H2O KV eviction: compaction "
@@ -117,7 +121,10 @@ def _create_engine_config_wrapper(original):
                 logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
                                "(compaction rewrites blocks that prefix caching would share)")
                 self.enable_prefix_caching = False
-        return original(self, *args, **kwargs)
+        vllm_config = original(self, *args, **kwargs)
+        if h2o is not None:
+            conflicts.check_vllm_config(vllm_config, h2o)  # the model's attention, max_model_len
+        return vllm_config
     return create_engine_config
 
 
@@ -388,7 +395,12 @@ def _stats_log_wrapper(original):
         original(self)
         if _h2o_of(self) is not None:
             from h2o_vllm import metrics
-            logger.info("%s", metrics.summary_line(metrics.read_totals()))
+            totals = metrics.read_totals()
+            # Like vLLM's own line: at INFO while something changes, silent when idle.
+            if totals != getattr(self, "_h2o_last_totals", None):
+                self._h2o_last_totals = totals
+                # Under "vllm.": vLLM's handler and format, beside its own stats line.
+                logging.getLogger("vllm.h2o_vllm").info("%s", metrics.summary_line(totals))
     return log
 
 

@@ -1,0 +1,144 @@
+"""Settings H2O cannot run with, refused before any model weight loads.
+
+Called from the engine-args hook (``vllm_hooks.install_engine_args_hook``) only when H2O is on:
+``check_engine_args`` on the raw ``EngineArgs`` before vLLM builds its config (the cheap
+checks, so a refusal costs nothing), ``check_vllm_config`` on the built ``VllmConfig`` (the
+model's attention, read from its HF config, and the resolved ``max_model_len`` / block size).
+Each refusal is a ``ValueError`` that names the setting and the way out; docs/limits.md lists
+them with the reason for each.
+
+Pure logic over vLLM config objects (duck-typed: unit tests pass stand-ins).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from h2o_vllm.config import H2OConfig
+
+_OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
+
+
+def check_engine_args(args: Any, h2o: H2OConfig) -> None:
+    """Refuse settings visible on ``EngineArgs`` (``vllm serve`` flags, ``LLM(...)`` kwargs)."""
+    spec = {"speculative_config": getattr(args, "speculative_config", None),
+            "spec_method": getattr(args, "spec_method", None),
+            "spec_model": getattr(args, "spec_model", None),
+            "spec_tokens": getattr(args, "spec_tokens", None)}
+    given = [k for k, v in spec.items() if v is not None]
+    if given:
+        _refuse_speculative(given[0])
+    if getattr(args, "kv_transfer_config", None) is not None:
+        _refuse_kv_transfer()
+    pp = getattr(args, "pipeline_parallel_size", 1) or 1
+    if pp > 1:
+        _refuse_pipeline_parallel(pp)
+
+
+def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
+    """Refuse what only the built config shows: the model's attention, the resolved lengths,
+    and settings vLLM derived itself (a speculator checkpoint sets ``speculative_config``)."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        _refuse_speculative("speculative_config")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        _refuse_kv_transfer()
+    parallel = getattr(vllm_config, "parallel_config", None)
+    pp = getattr(parallel, "pipeline_parallel_size", 1) if parallel is not None else 1
+    if pp > 1:
+        _refuse_pipeline_parallel(pp)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if scheduler is not None and getattr(scheduler, "async_scheduling", False):
+        raise ValueError(
+            "async scheduling (--async-scheduling) cannot be combined with H2O KV eviction: the "
+            "scheduler must see each step's compaction before it schedules the next. Pass "
+            f"--no-async-scheduling, {_OFF}")
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None:
+        check_model(model)
+        block_size = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+        check_budget_fits(h2o, model.max_model_len, block_size)
+
+
+def check_model(model_config: Any) -> None:
+    """Refuse models whose attention H2O's scores or compaction would get wrong.
+
+    Read from the HF config through ``ModelConfig`` (nothing is loaded)."""
+    name = getattr(model_config, "model", "this model")
+
+    def refuse(what: str, why: str, way_out: str = "") -> None:
+        out = f"{way_out}, or " if way_out else "Use a model with plain causal full attention, or "
+        raise ValueError(f"{name}: {what} cannot be combined with H2O KV eviction: {why}. {out}"
+                         f"turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])")
+
+    if model_config.is_encoder_decoder:
+        refuse("an encoder-decoder model", "H2O evicts from decoder self-attention only, and the "
+               "cross-attention KV cache has no eviction rule")
+    if model_config.is_attention_free:
+        refuse("an attention-free model", "it has no KV cache to evict")
+    if model_config.is_hybrid:
+        refuse("a hybrid model (attention with Mamba / linear-attention layers)",
+               "H2O manages one full-attention KV-cache group")
+    if model_config.use_mla:
+        refuse("multi-head latent attention (MLA)", "H2O scores and compacts per KV head, and MLA "
+               "caches one compressed latent per token")
+    if model_config.uses_alibi:
+        refuse("ALiBi position bias", "the bias follows the KV slot index, which compaction "
+               "changes, and H2O's scores leave the bias out")
+    hf = model_config.hf_text_config
+    layer_types = getattr(hf, "layer_types", None) or ()
+    odd_layers = sorted({t for t in layer_types if t not in ("attention", "full_attention")})
+    if odd_layers:
+        refuse(f"layer_types {odd_layers}", "H2O only evicts from full-attention layers, and "
+               "sliding-window or other layers of another kind are not supported")
+    window = model_config.get_sliding_window()
+    if window:
+        refuse(f"sliding-window attention (sliding_window={window})",
+               "the window is counted in KV slots, which compaction renumbers",
+               "Pass --disable-sliding-window (vLLM then caps max_model_len at the window)")
+    if getattr(hf, "model_type", None) == "gpt_oss" or any(
+            "GptOss" in a for a in getattr(model_config, "architectures", None) or ()):
+        refuse("attention sinks (gpt-oss)", "the learned sink logits are left out of H2O's scores")
+    softcap = getattr(hf, "attn_logit_softcapping", None)
+    if softcap:
+        refuse(f"attention logit soft-capping (attn_logit_softcapping={softcap})",
+               "H2O's scores are computed without the cap, so they are not the model's attention")
+
+
+def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int | None) -> None:
+    """Refuse an engine-wide budget under which no sequence can ever be evicted.
+
+    The first compaction of a sequence happens once it holds ``max(prompt, budget +
+    interval)`` tokens (``policy.live_kv_len``); the smallest budget is the one of a 1-token
+    prompt. Per-request budgets may exceed it (a request then runs without eviction)."""
+    heavy, recent = h2o.budget(1)
+    interval = h2o.resolved_interval(block_size)
+    if heavy + recent + interval <= max_model_len:
+        return
+    parts = " + ".join(f"{name}={value}" for name, value in (
+        ("heavy", heavy), ("recent", recent), ("interval", interval)))
+    raise ValueError(
+        f"the H2O budget does not fit max_model_len={max_model_len}: the first compaction needs "
+        f"{parts} = {heavy + recent + interval} tokens, so H2O would never evict. Lower "
+        "h2o.heavy_tokens / h2o.recent_tokens / h2o.interval (--h2o-heavy-tokens, ...), raise "
+        f"--max-model-len, {_OFF}")
+
+
+def _refuse_speculative(setting: str) -> None:
+    flag = "--" + setting.replace("_", "-")
+    raise ValueError(
+        f"speculative decoding ({flag}) cannot be combined with H2O KV eviction: rejected draft "
+        "tokens would enter H2O's scores and the compaction count the scheduler and workers "
+        f"share. Drop {flag}, {_OFF}")
+
+
+def _refuse_kv_transfer() -> None:
+    raise ValueError(
+        "KV-transfer connectors (--kv-transfer-config) cannot be combined with H2O KV eviction: "
+        "a connector saves and loads blocks by token position, and compaction moves tokens "
+        f"between blocks. Drop --kv-transfer-config, {_OFF}")
+
+
+def _refuse_pipeline_parallel(size: int) -> None:
+    raise ValueError(
+        f"pipeline parallelism (--pipeline-parallel-size {size}) is not supported with H2O KV "
+        "eviction yet. Use --pipeline-parallel-size 1 (tensor parallelism works), "
+        f"{_OFF}")

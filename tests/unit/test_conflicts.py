@@ -1,0 +1,205 @@
+"""Conflicts H2O refuses before the model loads (h2o_vllm.conflicts): pure logic over vLLM's
+config objects, real ones where they build without a model, stand-ins for the model's attention.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from h2o_vllm import conflicts
+from h2o_vllm.config import H2OConfig
+
+H2O = H2OConfig()
+
+
+def _model(**overrides):
+    """A ModelConfig stand-in: plain causal full attention unless overridden."""
+    hf = overrides.pop("hf", {})
+    fields = dict(model="m", is_encoder_decoder=False, is_attention_free=False, is_hybrid=False,
+                  use_mla=False, uses_alibi=False, architectures=["LlamaForCausalLM"],
+                  hf_text_config=SimpleNamespace(**{"model_type": "llama", **hf}), max_model_len=1024,
+                  sliding_window=None)
+    fields.update(overrides)
+    model = SimpleNamespace(**fields)
+    model.get_sliding_window = lambda: model.sliding_window
+    return model
+
+
+def _vllm_config(model=None, block_size=16, **overrides):
+    fields = dict(speculative_config=None, kv_transfer_config=None,
+                  parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+                  scheduler_config=SimpleNamespace(async_scheduling=False),
+                  cache_config=SimpleNamespace(block_size=block_size), model_config=model or _model())
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+def _refusal(check, *args) -> str:
+    with pytest.raises(ValueError) as info:
+        check(*args)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- engine args
+
+
+def _args(**kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+    return EngineArgs(model="unused", **kwargs)
+
+
+def test_plain_engine_args_pass():
+    conflicts.check_engine_args(_args(), H2O)
+    conflicts.check_engine_args(_args(tensor_parallel_size=2), H2O)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
+    ({"spec_method": "ngram"}, "--spec-method"),
+    ({"spec_tokens": 3}, "--spec-tokens"),
+])
+def test_speculative_decoding_refused_naming_the_flag(kwargs, flag):
+    message = _refusal(conflicts.check_engine_args, _args(**kwargs), H2O)
+    assert "speculative decoding" in message and flag in message
+    assert f"Drop {flag}" in message and "turn H2O KV eviction off" in message
+
+
+def test_kv_transfer_connector_refused():
+    from vllm.config import KVTransferConfig
+    kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    message = _refusal(conflicts.check_engine_args, _args(kv_transfer_config=kv), H2O)
+    assert "--kv-transfer-config" in message and "Drop --kv-transfer-config" in message
+
+
+def test_pipeline_parallel_refused_with_the_way_out():
+    message = _refusal(conflicts.check_engine_args, _args(pipeline_parallel_size=2), H2O)
+    assert "--pipeline-parallel-size 2" in message and "--pipeline-parallel-size 1" in message
+
+
+# --------------------------------------------------------------------------- built config
+
+
+def test_plain_config_passes():
+    conflicts.check_vllm_config(_vllm_config(), H2O)
+
+
+@pytest.mark.parametrize("overrides, setting", [
+    ({"speculative_config": object()}, "--speculative-config"),
+    ({"kv_transfer_config": object()}, "--kv-transfer-config"),
+    ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "--pipeline-parallel-size"),
+    ({"scheduler_config": SimpleNamespace(async_scheduling=True)}, "--no-async-scheduling"),
+])
+def test_settings_vllm_derived_are_refused_too(overrides, setting):
+    # e.g. a speculator checkpoint makes vLLM set speculative_config itself.
+    assert setting in _refusal(conflicts.check_vllm_config, _vllm_config(**overrides), H2O)
+
+
+@pytest.mark.parametrize("model, words", [
+    (_model(is_encoder_decoder=True), "encoder-decoder"),
+    (_model(is_attention_free=True), "attention-free"),
+    (_model(is_hybrid=True), "hybrid"),
+    (_model(use_mla=True), "MLA"),
+    (_model(uses_alibi=True), "ALiBi"),
+    (_model(sliding_window=4096), "sliding_window=4096"),
+    (_model(hf={"layer_types": ["full_attention", "sliding_attention"]}), "sliding_attention"),
+    (_model(hf={"model_type": "gpt_oss"}), "attention sinks"),
+    (_model(architectures=["GptOssForCausalLM"]), "attention sinks"),
+    (_model(hf={"attn_logit_softcapping": 50.0}), "soft-capping"),
+])
+def test_models_h2o_cannot_handle_are_refused(model, words):
+    message = _refusal(conflicts.check_model, model)
+    assert words in message and "cannot be combined with H2O KV eviction" in message
+    assert "turn H2O KV eviction off" in message
+
+
+def test_sliding_window_names_the_way_out():
+    assert "--disable-sliding-window" in _refusal(conflicts.check_model, _model(sliding_window=512))
+
+
+def test_full_attention_layer_types_pass():
+    conflicts.check_model(_model(hf={"layer_types": ["full_attention"] * 4, "attn_logit_softcapping": None}))
+
+
+def test_real_model_config_of_a_sliding_window_model(tiny_llama_dir, tmp_path):
+    """The real ModelConfig reads the window from the HF config; --disable-sliding-window
+    (the way out the message names) clears it."""
+    import json
+    import shutil
+
+    from vllm.config import ModelConfig
+    model_dir = tmp_path / "swa"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert "sliding_window=64" in _refusal(conflicts.check_model, ModelConfig(str(model_dir)))
+    conflicts.check_model(ModelConfig(str(model_dir), disable_sliding_window=True))
+    conflicts.check_model(ModelConfig(str(tiny_llama_dir)))
+
+
+# --------------------------------------------------------------------------- budget vs max_model_len
+
+
+@pytest.mark.parametrize("h2o, max_model_len, block_size, fits", [
+    ({}, 1024, 16, True),                                   # ratios: a 1-token prompt keeps 1 + 1
+    ({"heavy_tokens": 500, "recent_tokens": 508}, 1024, 16, True),  # 1024 exactly: evicts at 1024
+    ({"heavy_tokens": 500, "recent_tokens": 509}, 1024, 16, False),
+    ({"heavy_tokens": 500, "recent_tokens": 500, "interval": 24}, 1024, None, True),
+    ({"heavy_tokens": 500, "recent_tokens": 500, "interval": 25}, 1024, None, False),
+    ({"heavy_tokens": 2000, "recent_ratio": 0.1}, 1024, 16, False),
+    ({"heavy_ratio": 1.0, "recent_ratio": 1.0}, 1024, 16, True),  # ratio parts grow with the prompt
+    ({"heavy_ratio": 0.0, "recent_tokens": 1000}, 1024, 32, False),
+])
+def test_budget_must_fit_max_model_len(h2o, max_model_len, block_size, fits):
+    config = H2OConfig.from_dict(h2o)
+    if fits:
+        conflicts.check_budget_fits(config, max_model_len, block_size)
+        return
+    message = _refusal(conflicts.check_budget_fits, config, max_model_len, block_size)
+    assert f"max_model_len={max_model_len}" in message and "never evict" in message
+    assert "--max-model-len" in message and "h2o.heavy_tokens" in message
+
+
+@settings(max_examples=300, deadline=None)
+@given(heavy=st.integers(0, 3000), recent=st.integers(0, 3000), interval=st.integers(1, 3000),
+       max_model_len=st.integers(1, 4096))
+def test_budget_refused_exactly_when_no_sequence_can_be_evicted(heavy, recent, interval, max_model_len):
+    """The refusal agrees with the policy: some sequence of at most max_model_len tokens is
+    compacted (the longest prompt is the earliest chance) iff the check passes."""
+    from h2o_vllm.policy import kv_len_after
+    if heavy == recent == 0:
+        return
+    config = H2OConfig(heavy_tokens=heavy, recent_tokens=recent, interval=interval)
+    evicts = kv_len_after(max_model_len, max_model_len, config) < max_model_len
+    try:
+        conflicts.check_budget_fits(config, max_model_len, None)
+        refused = False
+    except ValueError:
+        refused = True
+    assert refused == (not evicts)
+
+
+def test_budget_checked_on_the_built_config():
+    config = H2OConfig(heavy_tokens=600, recent_tokens=600)
+    message = _refusal(conflicts.check_vllm_config, _vllm_config(_model(max_model_len=1024)), config)
+    assert "max_model_len=1024" in message
+    conflicts.check_vllm_config(_vllm_config(_model(max_model_len=2048)), config)
+
+
+# --------------------------------------------------------------------------- the engine-args hook
+
+
+def test_engine_args_hook_refuses_before_the_config_is_built():
+    """The wrapper runs the EngineArgs checks before vLLM's create_engine_config."""
+    from h2o_vllm.vllm_hooks import _create_engine_config_wrapper
+    called = []
+    wrapped = _create_engine_config_wrapper(lambda self, *a, **k: called.append(self))
+    args = _args(additional_config={"h2o": {}}, spec_method="ngram")
+    with pytest.raises(ValueError, match="--spec-method"):
+        wrapped(args)
+    assert not called
+    # H2O off: nothing is checked.
+    wrapped(_args(spec_method="ngram"))
+    assert called
