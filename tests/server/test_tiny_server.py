@@ -139,3 +139,8 @@ def test_bad_request_budget_is_400_and_server_keeps_serving(server, xargs, match
     with pytest.raises(openai.BadRequestError, match=match):
         _complete(server, PROMPTS[0], xargs)
     assert _complete(server, PROMPTS[0], None).choices[0].finish_reason == "length"
+
+
+def test_periodic_stats_log_has_h2o_summary(server):
+    """vLLM logs its stats every VLLM_LOG_STATS_INTERVAL (10 s); the H2O line follows."""
+    assert wait_for(lambda: "H2O: evicted" in server.tail(10**7), timeout_s=25), server.tail()
