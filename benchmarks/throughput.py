@@ -1,0 +1,185 @@
+"""Throughput at equal KV-cache memory: stock vLLM vs H2O at several budgets, same workload.
+
+Each configuration runs in a fresh subprocess (its own engine, clean memory and timing) with
+the KV pool fixed to the same number of blocks (``num_gpu_blocks_override``). The parent
+collects one JSON and one PNG into ``benchmarks/results/<date>-<host>/``.
+
+    python benchmarks/throughput.py                       # default: SmolLM2-135M, CPU, <= 15 min
+    python benchmarks/throughput.py --help                # GPU-sized flags: benchmarks/README.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+DEFAULT_CONFIGS = "stock,full,h2o:0.5,h2o:0.2,h2o:0.1"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--workloads", default="synthetic,text", help="comma list of synthetic, text")
+    p.add_argument("--text", default="gpl3", help="text for the text workload: gpl3, jargon, devil or a path")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=384)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma list: stock, full (H2O, budget above every length), h2o:<budget>, "
+                        "local:<budget> (recent only); budget = fraction of the prompt")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--stock-concurrency", type=float, default=4.0,
+                   help="size the KV pool so stock vLLM fits this many full-length sequences")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile / CUDA graphs")
+    p.add_argument("--omp-threads", default="1",
+                   help="OMP_NUM_THREADS for the engines ('' = leave unset). 1 by default: on a shared "
+                        "CPU, OpenMP spin-waits make 2-thread runs 5-10x slower and very noisy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<host>)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one config
+    return p.parse_args(argv)
+
+
+def parse_config(spec: str) -> tuple[str, str, float | None]:
+    """'h2o:0.2' -> (label, policy, budget)."""
+    policy, _, budget = spec.partition(":")
+    if policy in ("stock", "full"):
+        return policy, policy, None
+    return f"{policy}-{round(float(budget) * 100):g}%", policy, float(budget)
+
+
+def run_one(job: dict) -> dict:
+    """Child process: one engine, one workload, one config; returns the measured summary."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from h2o_vllm import bench
+
+    a = job["args"]
+    h2o = bench.h2o_config(job["policy"], job["budget"])
+    extra = {} if h2o is None else {"additional_config": {"h2o": h2o}}
+    started = time.perf_counter()
+    llm = LLM(job["model"], dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,
+              num_gpu_blocks_override=job["num_blocks"], max_model_len=job["max_model_len"],
+              max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=a["max_num_batched_tokens"],
+              enforce_eager=not a["no_enforce_eager"], seed=a["seed"], **extra)
+    startup_s = time.perf_counter() - started
+    if job["workload"] == "synthetic":
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        prompts = bench.synthetic_prompts(a["num_requests"], a["prompt_len"], vocab, a["seed"])
+    else:
+        ids = llm.get_tokenizer().encode(bench.read_text(a["text"]), add_special_tokens=False)
+        prompts = bench.text_prompts(ids, a["num_requests"], a["prompt_len"], a["seed"])
+    params = SamplingParams(temperature=0.0, max_tokens=a["output_len"], ignore_eos=True)
+    stats = bench.measure(llm, prompts, params)
+    import torch
+    return {**stats.summary(), "startup_s": startup_s, "torch_threads": torch.get_num_threads(), "h2o": h2o}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.one:
+        job = json.loads(Path(args.one).read_text())
+        Path(job["result"]).write_text(json.dumps(run_one(job)))
+        return {}
+    from vllm.utils.math_utils import cdiv
+
+    from h2o_vllm import models
+
+    model = args.model or str(models.smollm2_dir())
+    max_model_len = cdiv(args.prompt_len + args.output_len, args.block_size) * args.block_size
+    num_blocks = args.num_blocks or int(args.stock_concurrency * max_model_len / args.block_size)
+    host = socket.gethostname()
+    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the pool is fixed by num_blocks; this only caps the profile
+    if args.omp_threads:
+        env["OMP_NUM_THREADS"] = args.omp_threads
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    workloads = args.workloads.split(",")
+    result = {"meta": {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
+        "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
+        "loadavg_before": os.getloadavg(), "command": " ".join([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]),
+        "model": model, "num_blocks": num_blocks, "max_model_len": max_model_len,
+        "kv_tokens": num_blocks * args.block_size, "args": vars(args)}, "runs": []}
+    bar = tqdm(total=len(configs) * len(workloads), desc="throughput", unit="config")
+    for workload in workloads:
+        for label, policy, budget in configs:
+            bar.set_postfix_str(f"{workload}/{label}")
+            stem = out / "logs" / f"throughput-{workload}-{label}"
+            job = {"args": vars(args), "model": model, "workload": workload, "policy": policy,
+                   "budget": budget, "num_blocks": num_blocks, "max_model_len": max_model_len,
+                   "result": str(stem) + ".part.json"}
+            Path(str(stem) + ".job.json").write_text(json.dumps(job))
+            with open(str(stem) + ".log", "w") as log:
+                rc = subprocess.run([sys.executable, __file__, "--one", str(stem) + ".job.json"],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            Path(str(stem) + ".job.json").unlink()
+            if rc != 0:
+                raise RuntimeError(f"{workload}/{label} failed (exit {rc}); see {stem}.log")
+            run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
+                   **json.loads(Path(job["result"]).read_text())}
+            Path(job["result"]).unlink()
+            result["runs"].append(run)
+            bar.update(1)
+            tqdm.write(f"{workload:9s} {label:9s} total {run['total_tok_s']:7.1f} tok/s  output "
+                       f"{run['output_tok_s']:7.1f} tok/s  running mean {run['mean_running']:5.1f} "
+                       f"peak {run['peak_running']:3d}  preemptions {run['num_preemptions']}")
+    bar.close()
+    for run in result["runs"]:
+        stock = next((r for r in result["runs"] if r["workload"] == run["workload"] and r["policy"] == "stock"), None)
+        if stock:
+            run["total_ratio_to_stock"] = run["total_tok_s"] / stock["total_tok_s"]
+            run["output_ratio_to_stock"] = run["output_tok_s"] / stock["output_tok_s"]
+    result["meta"]["loadavg_after"] = os.getloadavg()
+    (out / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "throughput.png")
+    print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in result["runs"]))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for workload in workloads:
+        runs = [r for r in result["runs"] if r["workload"] == workload]
+        labels = [r["config"] for r in runs]
+        axes[0].plot(labels, [r["total_tok_s"] for r in runs], marker="o", label=workload)
+        axes[1].plot(labels, [r["mean_running"] for r in runs], marker="o", label=f"{workload} mean")
+        axes[1].plot(labels, [r["peak_running"] for r in runs], marker="x", ls="--", label=f"{workload} peak")
+    meta = result["meta"]
+    axes[0].set(title="total throughput (prompt + output)", ylabel="tok/s", ylim=(0, None))
+    axes[1].set(title="concurrently running sequences", ylabel="sequences", ylim=(0, None))
+    for ax in axes:
+        ax.set_xlabel("configuration (H2O budget = fraction of the prompt)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{Path(meta['model']).name}, {meta['kv_tokens']} KV tokens for every config, "
+                 f"{meta['args']['num_requests']} x ({meta['args']['prompt_len']} + "
+                 f"{meta['args']['output_len']}) tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Workloads and measurement shared by ``benchmarks/throughput.py`` and ``benchmarks/quality.py``.
+
+Runs in the benchmark process. ``measure`` needs an in-process engine core
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it drives ``LLMEngine.step()`` itself and reads the
+scheduler between steps. The CPU executor runs the worker in the same process, so one
+process holds scheduler, model and H2O; timing covers all of it.
+"""
+from __future__ import annotations
+
+import gzip
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Real English text available offline: Debian ships GPL-3 everywhere; the other two come from
+#: `apt-get install jargon-text` / `apt-get download dict-devil && dpkg-deb -x ...` (README).
+TEXTS = {
+    "gpl3": Path("/usr/share/common-licenses/GPL-3"),
+    "jargon": Path("/usr/share/doc/jargon-text/jargon.txt.gz"),
+    "devil": Path("/usr/share/dictd/devil.dict.dz"),
+}
+
+#: Policies: name -> additional_config["h2o"] as a function of the total budget fraction.
+#: "stock" has no h2o key (the plugin is inert); "full" runs H2O's machinery with a budget
+#: above every length (nothing is evicted: the overhead of score tracking alone).
+FULL_BUDGET_TOKENS = 1 << 20
+
+
+def h2o_config(policy: str, budget: float | None) -> dict[str, Any] | None:
+    """additional_config["h2o"] for (policy, total budget fraction of the prompt)."""
+    if policy == "stock":
+        return None
+    if policy == "full" or budget is None:
+        return {"heavy_tokens": FULL_BUDGET_TOKENS, "recent_tokens": 0}
+    if policy == "h2o":
+        return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
+    if policy == "local":
+        return {"heavy_ratio": 0.0, "recent_ratio": budget}
+    raise ValueError(f"unknown policy {policy!r}: stock, full, h2o, local")
+
+
+def read_text(name_or_path: str) -> str:
+    """The text of one of ``TEXTS`` (by name) or of a file path; ``.gz``/``.dz`` are gunzipped."""
+    path = TEXTS.get(name_or_path, Path(name_or_path))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; see benchmarks/README.md for how to install it")
+    data = path.read_bytes()
+    if path.suffix in (".gz", ".dz"):
+        data = gzip.decompress(data)
+    return data.decode("utf-8", errors="replace")
+
+
+def synthetic_prompts(num_requests: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Random token ids (avoiding the first 16 ids, where special tokens live)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(16, vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
+
+
+def text_prompts(token_ids: list[int], num_requests: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Windows of ``prompt_len`` tokens of a real text, at seeded random offsets."""
+    if len(token_ids) < prompt_len:
+        raise ValueError(f"text has {len(token_ids)} tokens, fewer than prompt_len={prompt_len}")
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(token_ids) - prompt_len + 1) for _ in range(num_requests)]
+    return [token_ids[s:s + prompt_len] for s in starts]
+
+
+@dataclass
+class RunStats:
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    elapsed_s: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_blocks: int = 0
+    running: list[int] = field(default_factory=list)      # per step, after it
+    blocks_used: list[int] = field(default_factory=list)  # per step, after it
+
+    def summary(self) -> dict[str, Any]:
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else 0.0
+        out = {k: v for k, v in asdict(self).items() if k not in ("running", "blocks_used")}
+        out.update(
+            output_tok_s=self.output_tokens / self.elapsed_s,
+            total_tok_s=(self.prompt_tokens + self.output_tokens) / self.elapsed_s,
+            mean_running=mean(self.running), peak_running=max(self.running, default=0),
+            mean_blocks_used=mean(self.blocks_used), peak_blocks_used=max(self.blocks_used, default=0),
+        )
+        return out
+
+
+def scheduler_of(llm):
+    """The in-process scheduler (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("measure() needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (an in-process engine core)")
+    return core.scheduler
+
+
+def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
+    """Submit every prompt at once, step the engine to the end, sample the scheduler per step.
+
+    running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
+    excluded); preemptions: calls of ``Scheduler._preempt_request`` (counted by an
+    instance-level wrapper, this engine only). ``progress``: a tqdm bar advanced per finished request.
+    """
+    engine = llm.llm_engine
+    scheduler = scheduler_of(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    stats = RunStats(num_requests=len(prompts), num_blocks=pool.num_gpu_blocks - 1)
+    preempt = scheduler._preempt_request
+
+    def counting_preempt(*args, **kwargs):
+        stats.num_preemptions += 1
+        return preempt(*args, **kwargs)
+
+    scheduler._preempt_request = counting_preempt
+    try:
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            stats.num_steps += 1
+            stats.running.append(len(scheduler.running))
+            stats.blocks_used.append(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+            for out in outputs:
+                if out.finished:
+                    stats.prompt_tokens += len(out.prompt_token_ids)
+                    stats.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if progress is not None:
+                        progress.update(1)
+        stats.elapsed_s = time.perf_counter() - start
+    finally:
+        del scheduler._preempt_request
+    return stats
