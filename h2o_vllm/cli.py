@@ -7,7 +7,7 @@ The H2O flags come from the plugin itself (``vllm_hooks.install_cli_flags_hook``
 stock ``vllm serve`` has them too wherever the ``vllm`` command works (CUDA).
 
     h2o-vllm serve MODEL --kv-eviction h2o --h2o-heavy-ratio 0.1 --h2o-recent-ratio 0.1
-    h2o-vllm bench throughput --model MODEL --kv-eviction h2o --input-len 512 --output-len 128
+    h2o-vllm bench throughput --model MODEL --kv-eviction h2o --dataset-name random --random-input-len 512
     h2o-vllm demo
 """
 from __future__ import annotations
