@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text", default="gpl3", help="text for the text workload: gpl3, jargon, devil or a path")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=384)
+    p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma list: stock, full (H2O, budget above every length), h2o:<budget>, "
                         "local:<budget> (recent only); budget = fraction of the prompt")
@@ -69,7 +69,7 @@ def run_one(job: dict) -> dict:
     from h2o_vllm import bench
 
     a = job["args"]
-    h2o = bench.h2o_config(job["policy"], job["budget"])
+    h2o = bench.h2o_config(job["policy"], job["budget"], job["max_model_len"], a["block_size"])
     extra = {} if h2o is None else {"additional_config": {"h2o": h2o}}
     started = time.perf_counter()
     llm = LLM(job["model"], dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,

@@ -14,26 +14,34 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h2o_vllm.models import default_cache_dir
+
 #: Real English text available offline: Debian ships GPL-3 everywhere; the other two come from
-#: `apt-get install jargon-text` / `apt-get download dict-devil && dpkg-deb -x ...` (README).
+#: `apt-get install jargon-text` and `apt-get download dict-devil` + `dpkg-deb -x` into
+#: $H2O_VLLM_CACHE/dict-devil (benchmarks/README.md). First existing path wins.
 TEXTS = {
-    "gpl3": Path("/usr/share/common-licenses/GPL-3"),
-    "jargon": Path("/usr/share/doc/jargon-text/jargon.txt.gz"),
-    "devil": Path("/usr/share/dictd/devil.dict.dz"),
+    "gpl3": [Path("/usr/share/common-licenses/GPL-3")],
+    "jargon": [Path("/usr/share/doc/jargon-text/jargon.txt.gz")],
+    "devil": [Path("/usr/share/dictd/devil.dict.dz"),
+              default_cache_dir() / "dict-devil/usr/share/dictd/devil.dict.dz"],
 }
 
-#: Policies: name -> additional_config["h2o"] as a function of the total budget fraction.
-#: "stock" has no h2o key (the plugin is inert); "full" runs H2O's machinery with a budget
-#: above every length (nothing is evicted: the overhead of score tracking alone).
-FULL_BUDGET_TOKENS = 1 << 20
+def h2o_config(policy: str, budget: float | None, max_model_len: int | None = None,
+               interval: int = 32) -> dict[str, Any] | None:
+    """additional_config["h2o"] for (policy, total budget as a fraction of the prompt).
 
-
-def h2o_config(policy: str, budget: float | None) -> dict[str, Any] | None:
-    """additional_config["h2o"] for (policy, total budget fraction of the prompt)."""
+    "stock": None (no h2o key: the plugin is inert). "full": H2O's machinery with nothing ever
+    evicted: heavy = max_model_len - interval, so the first compaction would come at
+    max_model_len tokens, which no sequence processes (the overhead of score tracking alone;
+    a larger budget is refused by h2o_vllm.conflicts). "h2o": half heavy, half recent (the
+    paper's 0.1 + 0.1 = 20%). "local": recent only, the paper's baseline.
+    """
     if policy == "stock":
         return None
-    if policy == "full" or budget is None:
-        return {"heavy_tokens": FULL_BUDGET_TOKENS, "recent_tokens": 0}
+    if policy == "full":
+        if max_model_len is None:
+            raise ValueError("policy 'full' needs max_model_len")
+        return {"heavy_tokens": max_model_len - interval, "recent_tokens": 0, "interval": interval}
     if policy == "h2o":
         return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
     if policy == "local":
@@ -43,9 +51,11 @@ def h2o_config(policy: str, budget: float | None) -> dict[str, Any] | None:
 
 def read_text(name_or_path: str) -> str:
     """The text of one of ``TEXTS`` (by name) or of a file path; ``.gz``/``.dz`` are gunzipped."""
-    path = TEXTS.get(name_or_path, Path(name_or_path))
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; see benchmarks/README.md for how to install it")
+    paths = TEXTS.get(name_or_path, [Path(name_or_path)])
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"{name_or_path}: none of {[str(p) for p in paths]} exists; "
+                                "see benchmarks/README.md for how to install it")
     data = path.read_bytes()
     if path.suffix in (".gz", ".dz"):
         data = gzip.decompress(data)
