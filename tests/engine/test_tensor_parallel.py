@@ -1,0 +1,93 @@
+"""Tensor parallel on the CPU: TP=2 (one core per rank), tiny Llama with 4 query / 2 KV heads,
+so each rank holds one KV head and evicts it by itself.
+
+What is TP-sensitive in h2o-vllm, and why it holds: the step plan (``worker.plan``) depends only
+on the batch (computed/prompt/query lengths, budgets), never on heads, so every rank computes
+the same KV-space lengths and compacts at the same steps; each rank's ``H2OAttentionSpec``
+carries its own ``num_kv_heads`` (2 / TP) while the block counts are per token, so the single
+scheduler's ``H2OManager`` count is right for every rank; scores and compaction are per KV
+head (tests/unit/test_tp_split.py: a head split gives the same keep-sets as the whole).
+"""
+import pytest
+
+from budgets import extra_args, oracle_config
+from conftest import random_prompts, scheduler_of, vllm_engine
+from h2o_vllm.reference import H2OReference
+
+BLOCK = 16
+BUDGETS = [{"heavy_ratio": 0.1, "recent_ratio": 0.1},
+           {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1},
+           {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1}]
+PROMPTS = random_prompts([1, 17, 64, 150], seed=21)
+MAX_TOKENS = 40
+
+
+def _rank_blocks(worker):
+    """On each rank: {request id: blocks held}, and the rank's KV heads."""
+    runner = worker.model_runner
+    heads = {tuple(t.shape)[1] for t in runner.kv_caches} if runner.kv_caches else set()
+    return {rid: len(state.block_ids[0]) for rid, state in runner.requests.items()}, sorted(heads)
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_llama_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+        with vllm_engine(tiny_llama_dir, in_process=True, tensor_parallel_size=2, block_size=BLOCK,
+                         additional_config={"h2o": {}}) as llm:
+            yield llm
+
+
+def _params(budget):
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          extra_args=extra_args(budget))
+
+
+def test_tp2_ranks_evict_their_own_heads_with_identical_counts_and_match_the_oracle(tp2, hf_model_tp):
+    engine, scheduler = tp2.llm_engine, scheduler_of(tp2)
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    requests = [(f"{b}-{p}", prompt, budget) for b, budget in enumerate(BUDGETS)
+                for p, prompt in enumerate(PROMPTS)]
+    for rid, prompt, budget in requests:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, _params(budget))
+    outputs, compared = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        (blocks0, heads0), (blocks1, heads1) = tp2.collective_rpc(_rank_blocks)
+        assert heads0 == heads1 == [1], "each rank holds one of the two KV heads"
+        assert blocks0 == blocks1, "the ranks hold different block counts"
+        for request in scheduler.running:
+            # What the next schedule() frees first (compaction of this step).
+            scheduler.kv_cache_manager.remove_skipped_blocks(request.request_id, request.num_computed_tokens,
+                                                             request.num_prompt_tokens)
+            if request.request_id in blocks0:
+                assert len(manager.req_to_blocks[request.request_id]) == blocks0[request.request_id]
+                compared += 1
+    assert compared and len(outputs) == len(requests)
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    for b, budget in enumerate(BUDGETS):
+        expected = H2OReference(hf_model_tp, oracle_config(budget, BLOCK)).generate(PROMPTS, MAX_TOKENS)
+        got = [outputs[f"{b}-{p}"] for p in range(len(PROMPTS))]
+        assert got == expected, f"TP=2 diverges from the oracle (= TP=1, test_exactness) for {budget}"
+
+
+def test_tp2_matches_tp1_token_for_token(tp2, tiny_llama_dir):
+    """The same requests on a TP=1 engine (started after the TP=2 one is checked)."""
+    params = [_params(budget) for budget in BUDGETS for _ in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for _ in BUDGETS for p in PROMPTS]
+    tp2_out = [list(o.outputs[0].token_ids) for o in tp2.generate(prompts, params, use_tqdm=False)]
+    with vllm_engine(tiny_llama_dir, in_process=True, block_size=BLOCK, additional_config={"h2o": {}}) as tp1:
+        tp1_out = [list(o.outputs[0].token_ids) for o in tp1.generate(prompts, params, use_tqdm=False)]
+    assert tp2_out == tp1_out
+
+
+@pytest.fixture(scope="module")
+def hf_model_tp(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
