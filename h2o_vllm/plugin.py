@@ -18,6 +18,7 @@ def register() -> None:
     vllm_hooks.check_vllm_version()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.backend.H2OCPUAttentionBackend")
+    _register_cuda_backend()
     vllm_hooks.register_kv_cache_spec()
     vllm_hooks.install_engine_args_hook()
     vllm_hooks.install_runner_hook()
@@ -28,3 +29,17 @@ def register() -> None:
     from h2o_vllm import metrics
     metrics.setup_process0()  # before vLLM spawns the engine core: children inherit the path
     _registered = True
+
+
+CUDA_BACKEND = "h2o_vllm.worker.cuda.H2OTritonAttentionBackend"
+
+
+def _register_cuda_backend(is_cuda: bool | None = None) -> None:
+    """On CUDA, ``--attention-backend CUSTOM`` selects H2O's Triton backend (h2o_vllm.cuda_config
+    picks CUSTOM when H2O is on and no backend was named). Other platforms are left alone."""
+    if is_cuda is None:
+        from vllm.platforms import current_platform
+        is_cuda = current_platform.is_cuda()
+    if is_cuda:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)

@@ -121,9 +121,12 @@ def _create_engine_config_wrapper(original):
                 logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
                                "(compaction rewrites blocks that prefix caching would share)")
                 self.enable_prefix_caching = False
+            from h2o_vllm import cuda_config
+            cuda_config.adjust_engine_args(self)  # CUDA only: backend, V1 runner, async, graphs
         vllm_config = original(self, *args, **kwargs)
         if h2o is not None:
             conflicts.check_vllm_config(vllm_config, h2o)  # the model's attention, max_model_len
+            cuda_config.check_vllm_config(vllm_config)
         return vllm_config
     return create_engine_config
 

@@ -1,0 +1,117 @@
+"""CUDA-only engine settings for H2O: the backend, the model runner, async scheduling, CUDA graphs.
+
+Runs in the process that builds the engine config, from the engine-args hook
+(``vllm_hooks.install_engine_args_hook``), only when H2O is on and the platform is CUDA.
+``adjust_engine_args`` settles what the user left to vLLM's defaults (each change logged at
+WARNING) and refuses what the user asked for explicitly and H2O cannot run with;
+``check_vllm_config`` verifies the built config. The CPU path never comes here: there vLLM
+always runs the V1 runner, synchronously, without CUDA graphs.
+
+Why each setting:
+- Backend: H2O's builder and impl live in ``H2OTritonAttentionBackend``, registered as
+  ``AttentionBackendEnum.CUSTOM`` (plugin.py); vLLM only picks it when asked.
+- Runner: the runner hook (vllm_hooks) is written for the V1 ``GPUModelRunner``; vLLM 0.32
+  uses the V2 runner on CUDA by default (``VllmConfig.use_v2_model_runner`` reads
+  ``VLLM_USE_V2_MODEL_RUNNER``, env var first). Set to 0 here, before any config is built
+  and before the engine-core and worker processes are started (they inherit the environment).
+- Async scheduling: the scheduler must see each step's compaction before it schedules the next.
+- CUDA graphs: the step plan changes in Python every step, so attention must stay out of
+  graphs: PIECEWISE (attention is one of the splitting ops) or none (--enforce-eager).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("h2o_vllm")
+
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
+
+
+def _platform_is_cuda() -> bool:
+    from vllm.platforms import current_platform
+    return current_platform.is_cuda()
+
+
+def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
+    """Before vLLM builds its config (``EngineArgs`` fields; the environment for the runner)."""
+    if not (_platform_is_cuda() if is_cuda is None else is_cuda):
+        return
+    from vllm.config import CompilationConfig
+    from vllm.config.attention import AttentionConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    # "auto" and None both leave the choice to vLLM; names are parsed as vLLM parses them.
+    backend = AttentionConfig.validate_backend_before(args.attention_backend)
+    if backend is None:
+        backend = getattr(args.attention_config, "backend", None)
+    if backend is None:
+        logger.warning("h2o: using the H2O attention backend on CUDA (vLLM's Triton attention "
+                       "with H2O eviction), as --attention-backend CUSTOM would")
+        args.attention_backend = AttentionBackendEnum.CUSTOM
+    elif backend != AttentionBackendEnum.CUSTOM:
+        raise ValueError(
+            f"--attention-backend {getattr(backend, 'name', backend)} cannot be combined with H2O "
+            "KV eviction on CUDA: H2O runs on its own backend (vLLM's Triton attention with "
+            f"H2O's scores and compaction). Pass --attention-backend CUSTOM or drop the flag, {_OFF}")
+
+    v2 = os.environ.get(V2_ENV)
+    if v2 is not None and v2.strip().lower() in ("1", "true"):
+        raise ValueError(f"{V2_ENV}={v2} cannot be combined with H2O KV eviction: its runner hook "
+                         f"is written for vLLM's V1 model runner. Unset {V2_ENV}, {_OFF}")
+    if v2 is None:
+        logger.warning("h2o: using vLLM's V1 model runner on CUDA (%s=0): H2O's runner hook "
+                       "supplies each step's plan to the V1 GPUModelRunner", V2_ENV)
+        os.environ[V2_ENV] = "0"
+
+    if args.async_scheduling is None:
+        logger.warning("h2o: async scheduling is turned off because H2O KV eviction is on (the "
+                       "scheduler must see each step's compaction before the next step)")
+        args.async_scheduling = False
+    # An explicit --async-scheduling is refused by conflicts.check_vllm_config.
+
+    if isinstance(args.compilation_config, dict):
+        args.compilation_config = CompilationConfig(**args.compilation_config)
+    mode = args.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        _refuse_full_graphs(mode)
+    if mode is None and not args.enforce_eager:
+        logger.warning("h2o: CUDA graphs are piecewise (cudagraph_mode=PIECEWISE): attention "
+                       "runs outside the graphs because H2O's step plan changes every step")
+        args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
+    """After vLLM built its config: the resolved runner, graphs and cache dtype."""
+    if not (_platform_is_cuda() if is_cuda is None else is_cuda):
+        return
+    if vllm_config.use_v2_model_runner:
+        raise ValueError("vLLM chose its V2 model runner (a feature that requires it is on), "
+                         f"which H2O KV eviction does not support yet. Set {V2_ENV}=0, {_OFF}")
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        _refuse_full_graphs(mode)
+    attention_split = (compilation.splitting_ops_contain_attention()
+                       or getattr(compilation, "use_inductor_graph_partition", False))
+    if mode is not None and mode.has_piecewise_cudagraphs() and not attention_split:
+        raise ValueError(
+            "piecewise CUDA graphs without attention among the splitting ops cannot be combined "
+            "with H2O KV eviction: attention would be captured in a graph. Leave "
+            f"compilation_config.splitting_ops at its default, or pass --enforce-eager, {_OFF}")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise ValueError(f"--kv-cache-dtype {cache_dtype} cannot be combined with H2O KV eviction "
+                         "on CUDA: its score and compaction kernels read unquantized K/V. Drop "
+                         f"--kv-cache-dtype, {_OFF}")
+
+
+def _refuse_full_graphs(mode: Any) -> None:
+    raise ValueError(
+        f"cudagraph_mode={getattr(mode, 'name', mode)} cannot be combined with H2O KV eviction: a "
+        "full CUDA graph would hold attention, whose per-step H2O plan (lengths, compactions) "
+        "changes in Python every step. Use cudagraph_mode PIECEWISE (the H2O default) or "
+        f"--enforce-eager, {_OFF}")
