@@ -227,16 +227,16 @@ def _built(mode="PIECEWISE", splitting_ops=None, v2=False, cache_dtype="auto"):
                            compilation_config=CompilationConfig(cudagraph_mode=mode, splitting_ops=ops))
 
 
-@pytest.mark.parametrize("config, words", [
-    (_built(v2=True), "V2 model runner"),
-    (_built(mode="FULL"), "cudagraph_mode=FULL"),
-    (_built(splitting_ops=[]), "splitting ops"),
-    (_built(cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+@pytest.mark.parametrize("built, words", [
+    (dict(v2=True), "V2 model runner"),
+    (dict(mode="FULL"), "cudagraph_mode=FULL"),
+    (dict(splitting_ops=[]), "splitting ops"),
+    (dict(cache_dtype="fp8"), "--kv-cache-dtype fp8"),
 ])
-def test_cuda_config_refuses_built_configs_h2o_cannot_run(config, words):
+def test_cuda_config_refuses_built_configs_h2o_cannot_run(built, words):
     from h2o_vllm import cuda_config
     with pytest.raises(ValueError, match="H2O KV eviction") as info:
-        cuda_config.check_vllm_config(config, is_cuda=True)
+        cuda_config.check_vllm_config(_built(**built), is_cuda=True)
     assert words in str(info.value)
 
 
