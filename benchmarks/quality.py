@@ -130,7 +130,7 @@ def run_engine(job: dict) -> dict:
     labels = [p for p in job["policies"] if p[1] != "full"] if job["h2o"] else [("full", "full", None)]
     prompts, params, keys = [], [], []
     for label, policy, budget in labels:
-        h2o = bench.h2o_config(policy, budget)
+        h2o = bench.h2o_config(policy, budget) if policy != "full" else None
         extra_args = {f"h2o_{k}": v for k, v in h2o.items()} if h2o and job["h2o"] else None
         for req in requests:
             prompts.append({"prompt_token_ids": req["prompt"]})
