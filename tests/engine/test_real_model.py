@@ -24,7 +24,19 @@ def prompts(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def vllm_outputs(smollm2_dir, prompts):
+def oracle_outputs(smollm2_dir, prompts):
+    """{budget name or "full": outputs}, computed before any engine runs in this process
+    (the oracle is several times slower once an engine has shared the process)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    outputs = {name: H2OReference(model, oracle_config(budget, BLOCK)).generate(prompts, MAX_TOKENS)
+               for name, budget in BUDGETS.items()}
+    outputs["full"] = H2OReference(model, None).generate(prompts, MAX_TOKENS)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def vllm_outputs(smollm2_dir, prompts, oracle_outputs):
     params = [greedy(MAX_TOKENS, extra_args=extra_args(b)) for b in BUDGETS.values() for _ in prompts]
     with vllm_engine(smollm2_dir, block_size=BLOCK, additional_config={"h2o": {}}) as llm:
         outputs = generate_ids(llm, prompts * len(BUDGETS), params)
@@ -32,10 +44,6 @@ def vllm_outputs(smollm2_dir, prompts):
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
-def test_smollm2_h2o_matches_dense_oracle(smollm2_dir, prompts, vllm_outputs, budget):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    expected = H2OReference(model, oracle_config(BUDGETS[budget], BLOCK)).generate(prompts, MAX_TOKENS)
-    full = H2OReference(model, None).generate(prompts, MAX_TOKENS)
-    assert vllm_outputs[budget] == expected
-    assert expected != full, "eviction changed nothing: the comparison proves little"
+def test_smollm2_h2o_matches_dense_oracle(oracle_outputs, vllm_outputs, budget):
+    assert vllm_outputs[budget] == oracle_outputs[budget]
+    assert oracle_outputs[budget] != oracle_outputs["full"], "eviction changed nothing: the comparison proves little"
