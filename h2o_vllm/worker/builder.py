@@ -14,7 +14,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, CPUAttenti
 
 from h2o_vllm.config import config_from_additional
 from h2o_vllm.worker import plan as step_plan
-from h2o_vllm.worker.plan import StepPlan
+from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 
 # The impl reads K/V back in these layouts (verified in the CPU cache study); others, such as
 # AMX, pack K differently.
@@ -48,17 +48,3 @@ class H2OCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         metadata = super().build(common_prefix_len, cm, fast_build)
         return H2OCPUAttentionMetadata(**{f.name: getattr(metadata, f.name)
                                           for f in dataclasses.fields(metadata)}, plan=plan)
-
-
-def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
-                    block_size: int) -> torch.Tensor:
-    """Cache slot of each scheduled token: row r's j-th new token goes to KV position
-    kv_lens_before[r] + j. Padding tokens get -1 (vLLM's PAD_SLOT_ID)."""
-    num_rows = plan.query_lens.shape[0]
-    rows = torch.repeat_interleave(torch.arange(num_rows), plan.query_lens)
-    starts = torch.cumsum(plan.query_lens, 0) - plan.query_lens
-    kv_pos = plan.kv_lens_before[rows] + torch.arange(rows.shape[0]) - starts[rows]
-    blocks = block_table[rows, kv_pos // block_size].to(torch.int64)
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64)
-    slots[: rows.shape[0]] = blocks * block_size + kv_pos % block_size
-    return slots

@@ -8,7 +8,12 @@ from __future__ import annotations
 import torch
 
 from h2o_vllm.policy import select_keep
-from h2o_vllm.worker.scores import row_slots
+
+
+def row_slots(block_table_row: torch.Tensor, kv_len: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of KV positions [0, kv_len) of one row, int64 [kv_len] each."""
+    pos = torch.arange(kv_len)
+    return block_table_row[pos // block_size].long(), pos % block_size
 
 
 def compact_row(keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,

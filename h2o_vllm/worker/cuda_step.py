@@ -17,6 +17,7 @@ import torch
 
 from h2o_vllm.policy import select_keep
 from h2o_vllm.worker.plan import StepPlan
+from h2o_vllm.worker.plan import kv_slot_mapping as plan_slot_mapping
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,8 @@ def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
 
 def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor,
                     block_size: int) -> torch.Tensor:
-    """Cache slot of each scheduled token, on block_table's device: row r's j-th new token goes
-    to KV position kv_lens_before[r] + j. Shaped like vLLM's ``slot_mapping`` (it may be padded):
-    entries past the scheduled tokens are -1 (PAD_SLOT_ID). Same math as the CPU builder's."""
-    num_rows = plan.query_lens.shape[0]
-    rows = torch.repeat_interleave(torch.arange(num_rows), plan.query_lens)
-    starts = torch.cumsum(plan.query_lens, 0) - plan.query_lens
-    kv_pos = plan.kv_lens_before[rows] + torch.arange(rows.shape[0]) - starts[rows]
-    device = block_table.device
-    rows_d, kv_pos_d = _to(rows, device), _to(kv_pos, device)
-    blocks = block_table[rows_d, kv_pos_d // block_size].to(torch.int64)
-    slots = torch.full(slot_mapping.shape, -1, dtype=torch.int64, device=device)
-    slots[: rows.shape[0]] = blocks * block_size + kv_pos_d % block_size
-    return slots
+    """The CPU builder's KV-space slots, shaped like vLLM's (possibly padded) ``slot_mapping``."""
+    return plan_slot_mapping(plan, block_table, slot_mapping.shape[0], block_size)
 
 
 def make_cuda_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,

@@ -5,16 +5,15 @@ Runs in the worker process, once per attention layer per step (ARCHITECTURE.md, 
 from __future__ import annotations
 
 import torch
-from vllm import _custom_ops as ops
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from h2o_vllm import metrics
 from h2o_vllm.config import config_from_additional
 from h2o_vllm.worker.builder import H2OCPUAttentionMetadata
-from h2o_vllm.worker.compact import compact_row
+from h2o_vllm.worker.compact import compact_row, row_slots
 from h2o_vllm.worker.layout import cache_views
-from h2o_vllm.worker.scores import accumulate_decode_scores, accumulate_prefill_scores, row_slots
+from h2o_vllm.worker.scores import accumulate_decode_scores, accumulate_prefill_scores
 
 
 class H2OCPUImpl(CPUAttentionBackendImpl):
@@ -48,28 +47,25 @@ class H2OCPUImpl(CPUAttentionBackendImpl):
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         if self.scores is None or self.scores.shape[0] != num_blocks:
             self.scores = torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.float32)
-        scores = self.scores.permute(0, 2, 1)  # [num_blocks, block_size, num_kv_heads]
+        by_slot = self.scores.permute(0, 2, 1)  # [num_blocks, block_size, num_kv_heads]
 
         # A slot's score starts when its K/V is written (slots are reused across requests).
         new = md.slot_mapping[md.slot_mapping >= 0]
-        scores[new // block_size, new % block_size] = 0.0
+        by_slot[new // block_size, new % block_size] = 0.0
 
-        num_rows = plan.query_lens.shape[0]
-        kv_seq_lens = plan.kv_seq_lens
-        starts = md.query_start_loc[:num_rows].long()
-        decode = (plan.query_lens == 1).nonzero().flatten()
-        if decode.numel():
-            accumulate_decode_scores(query[starts[decode]], views.keys, scores,
-                                     md.block_table[decode], kv_seq_lens[decode], self.scale)
-        for row in (plan.query_lens > 1).nonzero().flatten().tolist():
-            start, q_len = int(starts[row]), int(plan.query_lens[row])
-            accumulate_prefill_scores(query[start:start + q_len], views.keys, scores,
-                                      md.block_table[row], int(kv_seq_lens[row]), self.scale)
-        for row in plan.due.nonzero().flatten().tolist():
-            kv_len, target = int(kv_seq_lens[row]), int(plan.kv_lens_after[row])
+        if plan.decode_rows.numel():
+            rows = plan.decode_rows
+            accumulate_decode_scores(query[plan.query_starts[rows]], views.key_blocks, self.scores,
+                                     md.block_table[rows], plan.kv_seq_lens[rows], self.scale)
+        for row in plan.prefill_rows:
+            start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
+            accumulate_prefill_scores(query[start:start + q_len], views.key_blocks, self.scores,
+                                      md.block_table[row], int(plan.kv_seq_lens[row]), self.scale)
+        for row in plan.due_rows:
+            kv_len, target = int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row])
             blocks, offsets = row_slots(md.block_table[row], kv_len, block_size)
-            mass = float(scores[blocks, offsets].sum())
-            compact_row(views.keys, views.values, scores, md.block_table[row], kv_len,
+            mass = float(by_slot[blocks, offsets].sum())
+            compact_row(views.keys, views.values, by_slot, md.block_table[row], kv_len,
                         target, int(plan.heavy[row]))
-            kept = float(scores[blocks[:target], offsets[:target]].sum())
+            kept = float(by_slot[blocks[:target], offsets[:target]].sum())
             metrics.recorder().add(evicted_attention_mass=mass - kept, attention_mass=mass)

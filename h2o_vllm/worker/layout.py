@@ -13,6 +13,7 @@ import torch
 class CacheViews(NamedTuple):
     key_cache: torch.Tensor    # the stock kernel's view
     value_cache: torch.Tensor  # the stock kernel's view
+    key_blocks: torch.Tensor   # [num_blocks, num_kv_heads, head_size, block_size]: K as stored
     keys: torch.Tensor         # [num_blocks, block_size, num_kv_heads, head_size] view of K
     values: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_size] view of V
 
@@ -23,6 +24,7 @@ def cache_views(kv_cache: torch.Tensor) -> CacheViews:
     head_size = two_d // 2
     key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
     regions = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_size)
-    keys = regions[:, :, 0].view(num_blocks, num_kv_heads, head_size, block_size).permute(0, 3, 1, 2)
+    key_blocks = regions[:, :, 0].view(num_blocks, num_kv_heads, head_size, block_size)
+    keys = key_blocks.permute(0, 3, 1, 2)
     values = regions[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_size).permute(0, 2, 1, 3)
-    return CacheViews(key_cache, value_cache, keys, values)
+    return CacheViews(key_cache, value_cache, key_blocks, keys, values)

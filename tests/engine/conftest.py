@@ -15,8 +15,12 @@ def vllm_engine(model_dir, *, plugins: bool = True, in_process: bool = False, **
     """A ``vllm.LLM`` on the CPU in fp32; ``in_process`` keeps the scheduler inspectable
     (``scheduler_of``); ``plugins=False`` runs stock vLLM in its spawned processes."""
     from vllm import LLM
+    from vllm.plugins import load_general_plugins
 
     assert plugins or not in_process, "stock vLLM must run in fresh processes"
+    # Load ours into this process now: plugins load once per process, and a stock engine
+    # created first would otherwise load them under its VLLM_PLUGINS, without h2o.
+    load_general_plugins()
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     if not plugins:
         env["VLLM_PLUGINS"] = STOCK_PLUGINS

@@ -96,10 +96,11 @@ def _cpu_path_step(plan, query, keys, values, scores_nhb, table, slots, scale):
     for row in range(plan.query_lens.shape[0]):
         start, q_len, kv_len = int(starts[row]), int(plan.query_lens[row]), int(plan.kv_seq_lens[row])
         if q_len == 1:
-            accumulate_decode_scores(query[start:start + 1], keys, scores, table[row:row + 1],
-                                     plan.kv_seq_lens[row:row + 1], scale)
+            accumulate_decode_scores(query[start:start + 1], keys.permute(0, 2, 3, 1), scores_nhb,
+                                     table[row:row + 1], plan.kv_seq_lens[row:row + 1], scale)
         else:
-            accumulate_prefill_scores(query[start:start + q_len], keys, scores, table[row], kv_len, scale)
+            accumulate_prefill_scores(query[start:start + q_len], keys.permute(0, 2, 3, 1), scores_nhb,
+                                      table[row], kv_len, scale)
     for row in plan.due.nonzero().flatten().tolist():
         compact_row(keys, values, scores, table[row], int(plan.kv_seq_lens[row]),
                     int(plan.kv_lens_after[row]), int(plan.heavy[row]))

@@ -22,8 +22,10 @@ def _state(seed: int):
 
 
 def _run(query_prefill, query_decode, keys, values, scores, table, kv_len, target, heavy):
-    accumulate_prefill_scores(query_prefill, keys, scores, table, kv_len - 1, 0.25)
-    accumulate_decode_scores(query_decode, keys, scores, table[None], torch.tensor([kv_len]), 0.25)
+    # The score functions take the cache's own layouts: K [blocks, heads, dim, block], scores [blocks, heads, block].
+    key_blocks, scores_by_head = keys.permute(0, 2, 3, 1), scores.permute(0, 2, 1)
+    accumulate_prefill_scores(query_prefill, key_blocks, scores_by_head, table, kv_len - 1, 0.25)
+    accumulate_decode_scores(query_decode, key_blocks, scores_by_head, table[None], torch.tensor([kv_len]), 0.25)
     return compact_row(keys, values, scores, table, kv_len, target, heavy)
 
 
