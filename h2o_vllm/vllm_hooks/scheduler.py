@@ -1,0 +1,90 @@
+"""Hooks on the scheduler: per-request budgets for H2OManager, H2O metrics.
+
+Runs in the engine-core process (and the stats-log hook in process 0).
+"""
+from __future__ import annotations
+
+import logging
+
+from h2o_vllm.vllm_hooks import _h2o_of, _wrap
+
+
+def install_scheduler_hook() -> None:
+    """Record per-request budgets where ``H2OManager`` can read them."""
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.add_request", _add_request_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler._free_blocks", _free_blocks_wrapper)
+
+
+
+def _add_request_wrapper(original):
+    def add_request(self, request):
+        config = _h2o_of(self)
+        if config is not None and request.sampling_params is not None:
+            from h2o_vllm.config import request_overrides
+            from h2o_vllm.scheduler import requests
+            overrides = request_overrides(request.sampling_params.extra_args)
+            if overrides:
+                requests.record(request.request_id, config.with_overrides(overrides))
+        return original(self, request)
+    return add_request
+
+
+
+def _free_blocks_wrapper(original):
+    def _free_blocks(self, request):
+        from h2o_vllm.scheduler import requests
+        requests.forget(request.request_id)
+        return original(self, request)
+    return _free_blocks
+
+
+
+def install_metrics_hooks() -> None:
+    """Engine core: freed blocks and live KV tokens; process 0: the periodic INFO line."""
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _schedule_wrapper)
+    _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
+
+
+
+def _h2o_managers(scheduler) -> list:
+    from h2o_vllm.scheduler.manager import H2OManager
+    managers = scheduler.__dict__.get("_h2o_managers")
+    if managers is None:
+        coordinator = scheduler.kv_cache_manager.coordinator
+        managers = scheduler._h2o_managers = [m for m in coordinator.single_type_managers
+                                              if isinstance(m, H2OManager)]
+    return managers
+
+
+
+def _schedule_wrapper(original):
+    """After a schedule (blocks freed) and after a step's output (requests finished)."""
+    def schedule(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        if _h2o_of(self) is not None:
+            managers = _h2o_managers(self)
+            if managers:
+                from h2o_vllm import metrics
+                evicted = managers[0].num_evicted
+                live = sum(r.num_computed_tokens - evicted.get(r.request_id, 0) for r in self.running)
+                metrics.recorder().set(freed_blocks=sum(m.num_freed_blocks for m in managers),
+                                       live_kv_tokens=live)
+        return output
+    return schedule
+
+
+
+def _stats_log_wrapper(original):
+    def log(self):
+        original(self)
+        if _h2o_of(self) is not None:
+            from h2o_vllm import metrics
+            totals = metrics.read_totals()
+            # Like vLLM's own line: at INFO while something changes, silent when idle.
+            if totals != getattr(self, "_h2o_last_totals", None):
+                self._h2o_last_totals = totals
+                # Under "vllm.": vLLM's handler and format, beside its own stats line.
+                logging.getLogger("vllm.h2o_vllm").info("%s", metrics.summary_line(totals))
+    return log
+
