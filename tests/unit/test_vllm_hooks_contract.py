@@ -349,7 +349,7 @@ def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
 
 
 def test_pure_modules_import_no_vllm():
-    # config and policy are also checked in test_policy.py; reference is the independent side.
+    # The pure modules, and the oracle: the independent side of every engine test.
     code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.reference; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")
