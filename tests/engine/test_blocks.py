@@ -7,7 +7,7 @@ import logging
 import pytest
 from vllm.utils.math_utils import cdiv
 
-from conftest import greedy, random_prompts, scheduler_of, vllm_engine
+from engines import greedy, random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
 

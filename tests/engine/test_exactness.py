@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, extra_args, oracle_config
-from conftest import generate_ids, greedy, random_prompts, vllm_engine
+from engines import generate_ids, greedy, random_prompts, vllm_engine
 from h2o_vllm.reference import H2OReference
 
 MAX_TOKENS = 40

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from budgets import extra_args, oracle_config
-from conftest import greedy, random_prompts, scheduler_of, vllm_engine
+from engines import greedy, random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
 from h2o_vllm.reference import H2OReference

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from budgets import extra_args, oracle_config
-from conftest import generate_ids, greedy, vllm_engine
+from engines import generate_ids, greedy, vllm_engine
 from h2o_vllm.reference import H2OReference
 
 BLOCK = 32

@@ -11,7 +11,7 @@ head (tests/unit/test_tp_split.py: a head split gives the same keep-sets as the 
 import pytest
 
 from budgets import extra_args, oracle_config
-from conftest import random_prompts, scheduler_of, vllm_engine
+from engines import random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.reference import H2OReference
 
 BLOCK = 16

@@ -1,4 +1,4 @@
-"""Engine-tier helpers: real vLLM engines on the CPU, started once per module."""
+"""Engine-tier helpers (imported by the engine tests): real vLLM engines on the CPU, started once per module."""
 import contextlib
 import gc
 import os

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import vllm_engine
+from engines import vllm_engine
 
 H2O = {"h2o": {}}
 # Importing vLLM and building the config take a few seconds; loading the model would add
