@@ -110,7 +110,6 @@ def register_kv_cache_spec() -> None:
     KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=FullAttentionSpec)
 
 
-
 # Re-exported: plugin.register() and the tests use the package as one namespace.
 from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.requests import check_request_overrides, install_request_validation_hook  # noqa: E402

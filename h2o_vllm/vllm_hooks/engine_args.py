@@ -14,7 +14,6 @@ def install_engine_args_hook() -> None:
     _wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config", _create_engine_config_wrapper)
 
 
-
 def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
         from h2o_vllm import conflicts
@@ -40,7 +39,6 @@ def _create_engine_config_wrapper(original):
     return create_engine_config
 
 
-
 def install_cli_flags_hook() -> None:
     """Add ``--kv-eviction`` / ``--h2o-*`` to vLLM's engine parsers, folded at parse time."""
     owner, original = _require("vllm.engine.arg_utils:EngineArgs.add_cli_args")
@@ -56,7 +54,6 @@ def install_cli_flags_hook() -> None:
         return parser
     setattr(add_cli_args, _MARK, True)
     owner.add_cli_args = staticmethod(add_cli_args)
-
 
 
 def _fold_after_parse(parser) -> None:

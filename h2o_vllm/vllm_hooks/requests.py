@@ -12,7 +12,6 @@ def install_request_validation_hook() -> None:
     _wrap("vllm.v1.engine.input_processor:InputProcessor._validate_params", _validate_params_wrapper)
 
 
-
 def _request_error(message: str, value) -> ValueError:
     """A ``ValueError`` that vLLM's async front end also maps to HTTP 400.
 
@@ -23,7 +22,6 @@ def _request_error(message: str, value) -> ValueError:
     class H2ORequestError(VLLMValidationError, ValueError):
         pass
     return H2ORequestError(message, parameter="vllm_xargs", value=value)
-
 
 
 def check_request_overrides(additional_config, extra_args) -> None:
@@ -43,7 +41,6 @@ def check_request_overrides(additional_config, extra_args) -> None:
     except ValueError as exc:
         raise _request_error(f"invalid per-request H2O budget ({keys} in extra_args / vllm_xargs): {exc}",
                              given) from None
-
 
 
 def _validate_params_wrapper(original):

@@ -17,7 +17,6 @@ def install_runner_hook() -> None:
           _get_kv_cache_spec_wrapper)
 
 
-
 def _get_kv_cache_spec_wrapper(original):
     def get_kv_cache_spec(self):
         specs = original(self)
@@ -30,7 +29,6 @@ def _get_kv_cache_spec_wrapper(original):
         return {name: H2OAttentionSpec.from_full(spec, config) if type(spec) is FullAttentionSpec else spec
                 for name, spec in specs.items()}
     return get_kv_cache_spec
-
 
 
 def _build_attention_metadata_wrapper(original):
@@ -54,7 +52,6 @@ def _build_attention_metadata_wrapper(original):
     return _build_attention_metadata
 
 
-
 def _h2o_block_size(runner) -> int:
     from h2o_vllm.scheduler.spec import H2OAttentionSpec
     sizes = {g.kv_cache_spec.block_size for g in runner.kv_cache_config.kv_cache_groups
@@ -62,7 +59,6 @@ def _h2o_block_size(runner) -> int:
     if len(sizes) != 1:
         raise RuntimeError(f"h2o-vllm expects one H2O KV-cache block size, found {sorted(sizes)}")
     return sizes.pop()
-
 
 
 def _row_budget(runner, config, req_id: str, block_size: int) -> tuple[int, int, int]:
@@ -83,7 +79,6 @@ def _row_budget(runner, config, req_id: str, block_size: int) -> tuple[int, int,
     return budget
 
 
-
 def _step_plan(runner, config, num_reqs: int, scheduled: dict[str, int]):
     from h2o_vllm.worker.plan import make_step_plan
     batch = runner.input_batch
@@ -96,7 +91,6 @@ def _step_plan(runner, config, num_reqs: int, scheduled: dict[str, int]):
         query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
         prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
         heavy=budgets[:, 0], recent=budgets[:, 1], interval=budgets[:, 2])
-
 
 
 def _truncate_compacted_rows(runner, plan) -> None:
@@ -124,7 +118,6 @@ def _truncate_compacted_rows(runner, plan) -> None:
                      int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
 
 
-
 def _counts_once() -> bool:
     """Whether this worker counts per-request events (the first TP and PP rank)."""
     try:
@@ -132,7 +125,6 @@ def _counts_once() -> bool:
         return get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank
     except (AssertionError, RuntimeError):  # no distributed state (unit tests)
         return True
-
 
 
 def _record_compactions(plan) -> None:

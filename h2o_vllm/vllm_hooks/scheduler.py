@@ -15,7 +15,6 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.core.sched.scheduler:Scheduler._free_blocks", _free_blocks_wrapper)
 
 
-
 def _add_request_wrapper(original):
     def add_request(self, request):
         config = _h2o_of(self)
@@ -29,7 +28,6 @@ def _add_request_wrapper(original):
     return add_request
 
 
-
 def _free_blocks_wrapper(original):
     def _free_blocks(self, request):
         from h2o_vllm.scheduler import requests
@@ -38,13 +36,11 @@ def _free_blocks_wrapper(original):
     return _free_blocks
 
 
-
 def install_metrics_hooks() -> None:
     """Engine core: freed blocks and live KV tokens; process 0: the periodic INFO line."""
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _schedule_wrapper)
     _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
-
 
 
 def _h2o_managers(scheduler) -> list:
@@ -55,7 +51,6 @@ def _h2o_managers(scheduler) -> list:
         managers = scheduler._h2o_managers = [m for m in coordinator.single_type_managers
                                               if isinstance(m, H2OManager)]
     return managers
-
 
 
 def _schedule_wrapper(original):
@@ -72,7 +67,6 @@ def _schedule_wrapper(original):
                                        live_kv_tokens=live)
         return output
     return schedule
-
 
 
 def _stats_log_wrapper(original):
