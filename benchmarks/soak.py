@@ -1,0 +1,203 @@
+"""Soak: one `h2o-vllm serve` with a small KV pool under many concurrent streaming clients.
+
+Mixed prompt/output lengths, mixed per-request budgets (``vllm_xargs``), random client
+disconnects mid-stream and a few invalid requests (must be HTTP 400), for a fixed time. After a
+warm-up round and again at the end, the script waits for the engine to go idle and reads its
+``/metrics`` (``vllm:kv_cache_usage_perc``, ``h2o_vllm:live_kv_tokens``,
+``vllm:num_requests_running``) and the server group's resident memory. Writes
+``benchmarks/results/<date>-<host>/soak.json``. The client logic is ``h2o_vllm.soak``, shared
+with ``tests/server/test_soak.py``.
+
+    python benchmarks/soak.py                                 # 3 minutes, 16 clients, tiny Llama
+    python benchmarks/soak.py --minutes 10 --concurrency 32   # the long version
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from h2o_vllm import soak
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF model directory (default: the tiny test Llama, built "
+                                                 "in a temp dir; any vocabulary of >= 500 ids works)")
+    p.add_argument("--minutes", type=float, default=3.0, help="launch new requests for this long")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=100_000, help="at most this many requests")
+    p.add_argument("--warmup-requests", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=64, help="KV pool size (--num-gpu-blocks-override)")
+    p.add_argument("--server-args", default="--kv-eviction h2o",
+                   help="further `h2o-vllm serve` flags (H2O budget etc.), one string")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rss-bound-mib", type=float, default=512.0,
+                   help="rss_ok: growth from the end of the warm-up to the end <= this. The CPU worker's "
+                        "RSS grows as new batch shapes arrive and levels off (stock vLLM too)")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<host>)")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [str(Path(sys.executable).with_name("h2o-vllm")), "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--seed", str(args.seed),
+           "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
+           "--num-gpu-blocks-override", str(args.num_blocks), *args.server_args.split()]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; log: {log_path}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise SystemExit(f"server not ready after 300 s; log: {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def idle_snapshot(url: str, pgid: int) -> dict:
+    values = soak.wait_idle(url, timeout_s=10)
+    picked = {name: values.get(name) for name in (*soak.IDLE_GAUGES, "vllm:num_preemptions_total",
+                                                  "vllm:generation_tokens_total",
+                                                  "h2o_vllm:evicted_tokens_total",
+                                                  "h2o_vllm:freed_blocks_total",
+                                                  "h2o_vllm:compactions_total")}
+    picked["idle"] = all(values.get(name) == 0 for name in soak.IDLE_GAUGES)
+    picked["rss_bytes"] = soak.group_rss(pgid)
+    return picked
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    host = socket.gethostname()
+    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}")
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from h2o_vllm import models
+        model = str(models.build_tiny_llama(tempfile.mkdtemp(prefix="h2o-soak-tiny-")))
+    log_path = out / "logs" / "soak-server.log"
+    log_path.parent.mkdir(exist_ok=True)
+
+    started = time.monotonic()
+    proc, url = start_server(args, model, log_path)
+    startup_s = time.monotonic() - started
+    rss_samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample_rss():
+        while not stop.wait(10):
+            rss_samples.append((round(time.monotonic() - started, 1), soak.group_rss(proc.pid)))
+
+    try:
+        served = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        common = dict(max_model_len=args.max_model_len, request_timeout_s=600)
+        warm = soak.SoakConfig(requests=args.warmup_requests, concurrency=args.concurrency, duration_s=600,
+                               seed=args.seed + 1, **common)
+        main_cfg = soak.SoakConfig(requests=args.requests, concurrency=args.concurrency,
+                                   duration_s=args.minutes * 60, seed=args.seed, **common)
+        warm_summary = soak.summarize(asyncio.run(soak.run(url, served, soak.plan(warm), warm.concurrency,
+                                                           warm.duration_s, warm.request_timeout_s)))
+        start = idle_snapshot(url, proc.pid)
+        print(f"warm-up: {warm_summary['requests']} requests, idle={start['idle']}, "
+              f"rss {start['rss_bytes'] / 2**20:.0f} MiB", flush=True)
+        threading.Thread(target=sample_rss, daemon=True).start()
+        done = [0]
+
+        def progress(outcome):
+            done[0] += 1
+            if done[0] % 100 == 0:
+                print(f"  {done[0]} requests, {time.monotonic() - started:.0f} s", flush=True)
+
+        soak_started = time.monotonic()
+        outcomes = asyncio.run(soak.run(url, served, soak.plan(main_cfg), main_cfg.concurrency,
+                                        main_cfg.duration_s, main_cfg.request_timeout_s, progress))
+        soak_s = time.monotonic() - soak_started
+        end = idle_snapshot(url, proc.pid)
+        stop.set()
+        # The server still answers after the soak.
+        after = soak.summarize(asyncio.run(soak.run(
+            url, served, [soak.Job(0, list(range(40, 140)), 16, None, soak.FULL)], 1, 60)))
+    finally:
+        stop.set()
+        stop_server(proc)
+
+    summary = soak.summarize(outcomes)
+    growth = end["rss_bytes"] - start["rss_bytes"]
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
+        "model": model if args.model else "tiny-llama (h2o_vllm.models.build_tiny_llama)",
+        "args": vars(args),
+        "server_startup_s": round(startup_s, 1),
+        "soak_s": round(soak_s, 1),
+        "warmup": {k: warm_summary[k] for k in ("requests", "ok", "aborted", "rejected", "failed")},
+        **summary,
+        "output_tok_per_s": round(summary["tokens_streamed"] / soak_s, 1),
+        "engine_start": start, "engine_end": end,
+        "preemptions": end["vllm:num_preemptions_total"] - start["vllm:num_preemptions_total"],
+        "evicted_tokens": end["h2o_vllm:evicted_tokens_total"] - start["h2o_vllm:evicted_tokens_total"],
+        "freed_blocks": end["h2o_vllm:freed_blocks_total"] - start["h2o_vllm:freed_blocks_total"],
+        "final_kv_cache_usage_perc": end["vllm:kv_cache_usage_perc"],
+        "final_live_kv_tokens": end["h2o_vllm:live_kv_tokens"],
+        "final_num_requests_running": end["vllm:num_requests_running"],
+        "rss_start_mib": round(start["rss_bytes"] / 2**20, 1),
+        "rss_end_mib": round(end["rss_bytes"] / 2**20, 1),
+        "rss_growth_mib": round(growth / 2**20, 1),
+        "rss_ok": growth <= args.rss_bound_mib * 2**20,
+        # Growth over the second half of the soak (from the 10 s samples): levelling off or not.
+        "rss_growth_second_half_mib": (round((rss_samples[-1][1] - rss_samples[len(rss_samples) // 2][1])
+                                             / 2**20, 1) if len(rss_samples) > 2 else None),
+        "rss_samples_mib": [(t, round(b / 2**20, 1)) for t, b in rss_samples],
+        "answers_after_soak": after["ok"] == 1,
+    }
+    result["passed"] = (summary["failed"] == 0 and end["idle"] and result["rss_ok"]
+                        and result["answers_after_soak"])
+    (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("args", "engine_start", "engine_end", "rss_samples_mib", "failures")},
+                     indent=2))
+    print(f"wrote {out / 'soak.json'}")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
