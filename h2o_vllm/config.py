@@ -141,3 +141,11 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     if not extra_args:
         return {}
     return {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
+
+
+def request_config(base: H2OConfig, extra_args: Mapping[str, Any] | None) -> H2OConfig:
+    """The config one request runs with: ``base`` with its ``extra_args`` overrides, if any.
+
+    Scheduler and worker both call this, so they budget each request alike."""
+    overrides = request_overrides(extra_args)
+    return base.with_overrides(overrides) if overrides else base

@@ -66,13 +66,12 @@ def _row_budget(runner, config, req_id: str, block_size: int) -> tuple[int, int,
     cache: dict = runner.__dict__.setdefault("_h2o_row_budgets", {})
     budget = cache.get(req_id)
     if budget is None:
-        from h2o_vllm.config import request_overrides
+        from h2o_vllm.config import request_config
         state = runner.requests[req_id]
         params = state.sampling_params
-        overrides = request_overrides(params.extra_args if params is not None else None)
-        request_config = config.with_overrides(overrides) if overrides else config
-        heavy, recent = request_config.budget(state.num_prompt_tokens)
-        budget = cache[req_id] = (heavy, recent, request_config.resolved_interval(block_size))
+        h2o = request_config(config, params.extra_args if params is not None else None)
+        heavy, recent = h2o.budget(state.num_prompt_tokens)
+        budget = cache[req_id] = (heavy, recent, h2o.resolved_interval(block_size))
         if len(cache) > 4 * max(len(runner.requests), 64):
             for gone in set(cache) - set(runner.requests):
                 del cache[gone]

@@ -19,11 +19,11 @@ def _add_request_wrapper(original):
     def add_request(self, request):
         config = _h2o_of(self)
         if config is not None and request.sampling_params is not None:
-            from h2o_vllm.config import request_overrides
+            from h2o_vllm.config import request_config
             from h2o_vllm.scheduler import requests
-            overrides = request_overrides(request.sampling_params.extra_args)
-            if overrides:
-                requests.record(request.request_id, config.with_overrides(overrides))
+            request_h2o = request_config(config, request.sampling_params.extra_args)
+            if request_h2o is not config:
+                requests.record(request.request_id, request_h2o)
         return original(self, request)
     return add_request
 
