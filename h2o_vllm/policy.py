@@ -50,6 +50,23 @@ def kv_len_after(tokens_processed: int, prompt_len: int, config: H2OConfig,
     return live_kv_len(tokens_processed, prompt_len, heavy + recent, config.resolved_interval(block_size))
 
 
+def peak_kv_len(prompt_len: int, max_len: int, config: H2OConfig, block_size: int | None = None) -> int:
+    """Most KV-space slots a sequence of at most ``max_len`` logical tokens needs in one step
+    after its prompt: the live length before a decode step plus the token it writes.
+
+    Bounded by budget + interval whatever ``max_len`` is: what makes H2O's memory per
+    sequence predictable, and what the scheduler reserves for running sequences.
+    """
+    heavy, recent = config.budget(prompt_len)
+    budget_tokens, interval = heavy + recent, config.resolved_interval(block_size)
+    start = max(prompt_len, budget_tokens + interval)
+    last = max_len - 1  # the last decode step starts from max_len - 1 processed tokens
+    peak = min(start, last + 1) - 1 if prompt_len < start else 0
+    if last >= start:
+        peak = max(peak, budget_tokens + min(interval - 1, last - start))
+    return max(peak + 1, 1) if last >= prompt_len else prompt_len
+
+
 def select_keep(scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
     """Indices of the tokens to keep, per head: the ``recent`` last ones plus the ``heavy``
     highest-scoring among the rest; ties keep the more recent token; ascending order.

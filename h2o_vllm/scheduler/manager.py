@@ -12,7 +12,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.policy import kv_len_after
+from h2o_vllm.policy import kv_len_after, peak_kv_len
 from h2o_vllm.scheduler import requests
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
@@ -51,6 +51,23 @@ class H2OManager(FullAttentionManager):
         logger.debug("h2o: request %s at %d tokens keeps %d in KV space (%d evicted), freed %d "
                      "blocks, holds %d", request_id, processed_computed_tokens, kv_len,
                      self.num_evicted[request_id], len(tail), len(blocks))
+
+    def growth_reserve(self, running: Sequence, max_model_len: int) -> int:
+        """Blocks the running requests may still claim: each one's peak minus what it holds.
+
+        An H2O sequence's peak is small and known (``peak_kv_len``), unlike a full-cache one's,
+        so admissions can leave room for it; otherwise a new prompt takes the blocks that the
+        running sequences grow into by the next compaction, and vLLM preempts one of them
+        (a recompute of its whole logical sequence, to free two or three blocks).
+        """
+        reserve = 0
+        for request in running:
+            config = requests.config_for(request.request_id, self.h2o)
+            max_len = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
+            peak = cdiv(peak_kv_len(request.num_prompt_tokens, max_len, config,
+                                    self.kv_cache_spec.block_size), self.block_size)
+            reserve += max(0, peak - len(self.req_to_blocks.get(request.request_id, ())))
+        return reserve
 
     def _kv_tokens(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.num_evicted.get(request_id, 0)

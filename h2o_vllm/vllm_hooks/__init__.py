@@ -18,6 +18,11 @@ runner (worker).
 - ``install_scheduler_hook`` wraps ``Scheduler.add_request`` / ``Scheduler._free_blocks``.
   Why: a single-type KV-cache manager only sees request ids, not per-request budgets
   (``SamplingParams.extra_args``). Remove when managers receive the request.
+- ``install_scheduler_hook`` also wraps ``Scheduler.update_from_output`` to call
+  ``KVCacheManager.remove_skipped_blocks`` for every running request once its step is
+  processed. Why: vLLM calls it lazily in ``allocate_slots``, so a freshly compacted prompt
+  still holds its whole prompt's blocks when an earlier request in the queue preempts it.
+  Remove when vLLM frees skipped blocks at the step boundary.
 - ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
   (vllm/engine/arg_utils.py), in the process that builds the engine config.
   Why: the H2O config must be validated, prefix caching (on by default) turned off, and
@@ -38,8 +43,8 @@ runner (worker).
   Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
   request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
   Upstream: none needed while SamplingParams has no extension point for extra_args checks.
-- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` and ``Scheduler.update_from_output``
-  (engine core: freed blocks, live KV tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
+- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` (and records from the
+  ``update_from_output`` hook above) (engine core: freed blocks, live KV tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
   line beside vLLM's periodic stats). The worker side records in the runner hook above and
   in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
 """

@@ -1,4 +1,5 @@
-"""Hooks on the scheduler: per-request budgets for H2OManager, H2O metrics.
+"""Hooks on the scheduler: per-request budgets for H2OManager, tail blocks freed at the step
+boundary, H2O metrics.
 
 Runs in the engine-core process (and the stats-log hook in process 0).
 """
@@ -13,6 +14,8 @@ def install_scheduler_hook() -> None:
     """Record per-request budgets where ``H2OManager`` can read them."""
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.add_request", _add_request_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler._free_blocks", _free_blocks_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _update_from_output_wrapper)
 
 
 def _add_request_wrapper(original):
@@ -36,10 +39,30 @@ def _free_blocks_wrapper(original):
     return _free_blocks
 
 
+def _update_from_output_wrapper(original):
+    """Free every running request's compacted tail as soon as its step is processed.
+
+    vLLM frees skipped blocks lazily, in ``allocate_slots``, one request at a time while it
+    walks the running queue; a request earlier in the queue that needs a block then preempts
+    the newest one, the very prompt whose compaction was about to free most of the pool
+    (measured: 50 preemptions for 32 requests where stock vLLM had 25). Same call, same
+    processed-token basis, only earlier.
+    """
+    def update_from_output(self, *args, **kwargs):
+        outputs = original(self, *args, **kwargs)
+        if _h2o_of(self) is not None:
+            manager = self.kv_cache_manager
+            for request in self.running:
+                manager.remove_skipped_blocks(
+                    request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
+                    num_prompt_tokens=request.num_prompt_tokens)
+            _record_metrics(self)
+        return outputs
+    return update_from_output
+
+
 def install_metrics_hooks() -> None:
-    """Engine core: freed blocks and live KV tokens; process 0: the periodic INFO line."""
-    _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
-    _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _schedule_wrapper)
+    """Process 0: the periodic INFO line (the engine core records from the hooks above)."""
     _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
 
 
@@ -53,18 +76,30 @@ def _h2o_managers(scheduler) -> list:
     return managers
 
 
+def _record_metrics(scheduler) -> None:
+    managers = _h2o_managers(scheduler)
+    if managers:
+        from h2o_vllm import metrics
+        evicted = managers[0].num_evicted
+        live = sum(r.num_computed_tokens - evicted.get(r.request_id, 0) for r in scheduler.running)
+        metrics.recorder().set(freed_blocks=sum(m.num_freed_blocks for m in managers),
+                               live_kv_tokens=live)
+
+
 def _schedule_wrapper(original):
-    """After a schedule (blocks freed) and after a step's output (requests finished)."""
+    """Admissions leave room for the running requests' growth (vLLM's admission watermark,
+    raised by ``H2OManager.growth_reserve``); metrics once blocks are allocated."""
     def schedule(self, *args, **kwargs):
+        if _h2o_of(self) is None:
+            return original(self, *args, **kwargs)
+        manager = self.kv_cache_manager
+        if not hasattr(self, "_h2o_base_watermark"):
+            self._h2o_base_watermark = manager.watermark_blocks  # the user's --watermark
+        max_model_len = self.vllm_config.model_config.max_model_len
+        manager.watermark_blocks = self._h2o_base_watermark + sum(
+            m.growth_reserve(self.running, max_model_len) for m in _h2o_managers(self))
         output = original(self, *args, **kwargs)
-        if _h2o_of(self) is not None:
-            managers = _h2o_managers(self)
-            if managers:
-                from h2o_vllm import metrics
-                evicted = managers[0].num_evicted
-                live = sum(r.num_computed_tokens - evicted.get(r.request_id, 0) for r in self.running)
-                metrics.recorder().set(freed_blocks=sum(m.num_freed_blocks for m in managers),
-                                       live_kv_tokens=live)
+        _record_metrics(self)
         return output
     return schedule
 

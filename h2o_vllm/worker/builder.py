@@ -15,6 +15,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, CPUAttenti
 from h2o_vllm.config import config_from_additional
 from h2o_vllm.worker import plan as step_plan
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
+from h2o_vllm.worker.scores import DecodeIndex, decode_index
 
 # The impl reads K/V back in these layouts (verified in the CPU cache study); others, such as
 # AMX, pack K differently.
@@ -25,6 +26,9 @@ _READABLE_ISAS = ("vec", "vec16")
 class H2OCPUAttentionMetadata(CPUAttentionMetadata):
     # None when H2O is off or outside a real step: the impl then behaves as stock vLLM.
     plan: StepPlan | None = None
+    # Per-step indices every layer's impl reads (built once here, not once per layer):
+    written: tuple[torch.Tensor, torch.Tensor] | None = None  # (block, offset) of new K/V
+    decode: DecodeIndex | None = None                          # keys of the decode rows
 
 
 class H2OCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -46,5 +50,13 @@ class H2OCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 slot_mapping=kv_slot_mapping(plan, cm.block_table_tensor, cm.num_actual_tokens,
                                              self.block_size))
         metadata = super().build(common_prefix_len, cm, fast_build)
+        written = decode = None
+        if plan is not None:
+            slots = metadata.slot_mapping[metadata.slot_mapping >= 0].long()
+            written = (slots // self.block_size, slots % self.block_size)
+            if plan.decode_rows.numel():
+                rows = plan.decode_rows
+                decode = decode_index(metadata.block_table[rows], plan.kv_seq_lens[rows], self.block_size)
         return H2OCPUAttentionMetadata(**{f.name: getattr(metadata, f.name)
-                                          for f in dataclasses.fields(metadata)}, plan=plan)
+                                          for f in dataclasses.fields(metadata)},
+                                       plan=plan, written=written, decode=decode)

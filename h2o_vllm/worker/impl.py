@@ -13,7 +13,7 @@ from h2o_vllm.config import config_from_additional
 from h2o_vllm.worker.builder import H2OCPUAttentionMetadata
 from h2o_vllm.worker.compact import compact_row, row_slots
 from h2o_vllm.worker.layout import cache_views
-from h2o_vllm.worker.scores import accumulate_decode_scores, accumulate_prefill_scores
+from h2o_vllm.worker.scores import accumulate_decode_scores_at, accumulate_prefill_scores
 
 
 class H2OCPUImpl(CPUAttentionBackendImpl):
@@ -50,13 +50,11 @@ class H2OCPUImpl(CPUAttentionBackendImpl):
         by_slot = self.scores.permute(0, 2, 1)  # [num_blocks, block_size, num_kv_heads]
 
         # A slot's score starts when its K/V is written (slots are reused across requests).
-        new = md.slot_mapping[md.slot_mapping >= 0]
-        by_slot[new // block_size, new % block_size] = 0.0
+        by_slot[md.written] = 0.0
 
-        if plan.decode_rows.numel():
-            rows = plan.decode_rows
-            accumulate_decode_scores(query[plan.query_starts[rows]], views.key_blocks, self.scores,
-                                     md.block_table[rows], plan.kv_seq_lens[rows], self.scale)
+        if md.decode is not None:
+            accumulate_decode_scores_at(query[plan.query_starts[plan.decode_rows]], views.key_blocks,
+                                        self.scores, md.decode, self.scale)
         for row in plan.prefill_rows:
             start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
             accumulate_prefill_scores(query[start:start + q_len], views.key_blocks, self.scores,

@@ -10,6 +10,8 @@ Keys are read whole blocks at a time in the cache's own layout (``layout.py``: K
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Upper bound on one prefill chunk's fp32 logits (elements): about 64 MiB.
@@ -20,25 +22,49 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+@dataclass(frozen=True)
+class DecodeIndex:
+    """Where a step's decode rows read their keys; the same for every layer, built once."""
+    blocks: torch.Tensor   # int64 [R * nb]: each row's first nb blocks, row-major
+    padding: torch.Tensor  # bool [R, 1, 1, nb * block_size]: True past the row's length
+
+
+def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_size: int) -> DecodeIndex:
+    """block_table: [R, max_blocks]; kv_seq_lens: [R] int64 (padded to the longest row)."""
+    num_row_blocks = int((kv_seq_lens.max() + block_size - 1) // block_size)
+    pos = torch.arange(num_row_blocks * block_size)
+    return DecodeIndex(blocks=block_table[:, :num_row_blocks].long().flatten(),
+                       padding=(pos[None, :] >= kv_seq_lens[:, None])[:, None, None, :])
+
+
 def accumulate_decode_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
                              block_table: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float) -> None:
-    """One query per row, all rows at once (padded to the longest row's blocks).
+    """One query per row, all rows at once. query: [R, num_heads, head_size]; block_table:
+    [R, max_blocks]; kv_seq_lens: [R] int64. key_blocks: [num_blocks, num_kv_heads,
+    head_size, block_size]; scores: [num_blocks, num_kv_heads, block_size] fp32.
+    """
+    index = decode_index(block_table, kv_seq_lens, key_blocks.shape[3])
+    accumulate_decode_scores_at(query, key_blocks, scores, index, scale)
 
-    query: [R, num_heads, head_size]; block_table: [R, max_blocks]; kv_seq_lens: [R] int64.
-    key_blocks: [num_blocks, num_kv_heads, head_size, block_size]; scores: [num_blocks,
-    num_kv_heads, block_size] fp32.
+
+def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
+                                index: DecodeIndex, scale: float) -> None:
+    """``accumulate_decode_scores`` with the step's ``DecodeIndex`` already built.
+
+    Each (row, block, KV head) key tile is already a contiguous [head_size, block_size]
+    matrix in the cache, so one broadcast matmul takes it as is: no transposed copy of K.
     """
     num_rows, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
-    num_row_blocks = int((kv_seq_lens.max() + block_size - 1) // block_size)
-    blocks = block_table[:, :num_row_blocks].long()                          # [R, nb]
-    k = _fp32(key_blocks[blocks])                                            # [R, nb, Hkv, D, bs]
-    q = _fp32(query).view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_size)
-    logits = torch.einsum("rhgd,rnhdb->rhgnb", q, k).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
-    pos = torch.arange(num_row_blocks * block_size)
-    logits.mul_(scale).masked_fill_((pos[None, :] >= kv_seq_lens[:, None])[:, None, None, :], float("-inf"))
+    num_row_blocks = index.blocks.shape[0] // num_rows
+    k = _fp32(key_blocks.index_select(0, index.blocks))
+    k = k.view(num_rows, num_row_blocks, num_kv_heads, head_size, block_size)
+    q = _fp32(query).view(num_rows, 1, num_kv_heads, num_heads // num_kv_heads, head_size)
+    logits = torch.matmul(q, k)                                     # [R, nb, Hkv, G, bs]
+    logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
+    logits.mul_(scale).masked_fill_(index.padding, float("-inf"))
     probs = logits.softmax(dim=-1).sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)
-    scores.index_add_(0, blocks.flatten(), probs.transpose(1, 2).reshape(-1, num_kv_heads, block_size))
+    scores.index_add_(0, index.blocks, probs.transpose(1, 2).reshape(-1, num_kv_heads, block_size))
 
 
 def accumulate_prefill_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,

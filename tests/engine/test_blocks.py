@@ -9,7 +9,7 @@ from vllm.utils.math_utils import cdiv
 
 from engines import greedy, random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.policy import kv_len_after
+from h2o_vllm.policy import kv_len_after, peak_kv_len
 
 BLOCK = 16
 H2O = {"heavy_ratio": 0.1, "recent_ratio": 0.1}
@@ -57,21 +57,49 @@ def stock_llm(tiny_llama_dir):
         yield llm
 
 
-def _concurrency(llm):
+def _drive_counting(llm, num_requests):
+    """(running per step, preemptions) for num_requests long-generation requests at once."""
     scheduler = scheduler_of(llm)
-    running = []
-    prompts = random_prompts([LONG_PROMPT] * NUM_LONG, seed=1)
-    outputs = _run(llm, prompts, greedy(LONG_OUTPUT), on_step=lambda: running.append(len(scheduler.running)))
-    assert all(len(o) == LONG_OUTPUT for o in outputs.values()) and len(outputs) == NUM_LONG
-    return sum(running) / len(running), max(running)
+    running, preemptions = [], []
+    preempt = scheduler._preempt_request
+
+    def counting_preempt(request, *args, **kwargs):
+        preemptions.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting_preempt
+    try:
+        prompts = random_prompts([LONG_PROMPT] * num_requests, seed=1)
+        outputs = _run(llm, prompts, greedy(LONG_OUTPUT), on_step=lambda: running.append(len(scheduler.running)))
+    finally:
+        del scheduler._preempt_request
+    assert all(len(o) == LONG_OUTPUT for o in outputs.values()) and len(outputs) == num_requests
+    return running, len(preemptions)
 
 
 def test_h2o_runs_three_times_more_sequences_at_once(h2o_llm, stock_llm):
-    stock_mean, stock_peak = _concurrency(stock_llm)
-    h2o_mean, h2o_peak = _concurrency(h2o_llm)
-    print(f"running sequences: stock mean {stock_mean:.1f} peak {stock_peak}; "
-          f"H2O 20% mean {h2o_mean:.1f} peak {h2o_peak}")
+    (stock, _), (h2o, _) = _drive_counting(stock_llm, NUM_LONG), _drive_counting(h2o_llm, NUM_LONG)
+    stock_mean, h2o_mean = sum(stock) / len(stock), sum(h2o) / len(h2o)
+    print(f"running sequences: stock mean {stock_mean:.1f} peak {max(stock)}; "
+          f"H2O 20% mean {h2o_mean:.1f} peak {max(h2o)}")
     assert h2o_mean >= 3 * stock_mean
+
+
+def test_admission_leaves_room_so_h2o_never_preempts_under_overload(h2o_llm):
+    """More requests than even H2O can hold: they queue, and the running ones grow in
+    lockstep towards their next compaction. Admissions keep room for that growth
+    (H2OManager.growth_reserve: each sequence's peak is known), so nothing is ever
+    recomputed; without the reserve this workload preempted 203 times."""
+    config = H2OConfig.from_dict(H2O)
+    peak_blocks = cdiv(peak_kv_len(LONG_PROMPT, LONG_PROMPT + LONG_OUTPUT, config, BLOCK), BLOCK)
+    running, preemptions = _drive_counting(h2o_llm, 3 * NUM_LONG)
+    print(f"H2O 20%, {3 * NUM_LONG} requests: running mean {sum(running) / len(running):.1f} "
+          f"peak {max(running)} (pool holds {POOL // peak_blocks} at their peak); preemptions {preemptions}")
+    assert max(running) < 3 * NUM_LONG, "everything fit: the check proves nothing"
+    assert preemptions == 0
+    # The reserve is exact, not a blanket cap: the pool is used up to the running peaks
+    # (less one prompt being admitted).
+    assert max(running) >= (POOL - cdiv(LONG_PROMPT, BLOCK)) // peak_blocks - 1
 
 
 def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
@@ -86,9 +114,8 @@ def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
     def check():
         for request in scheduler.running:
             rid = request.request_id
-            # What the next schedule() does first: free the tail blocks compaction emptied.
-            scheduler.kv_cache_manager.remove_skipped_blocks(rid, request.num_computed_tokens,
-                                                             request.num_prompt_tokens)
+            # No explicit remove_skipped_blocks: the update_from_output hook has already freed
+            # the tail blocks this step's compaction emptied.
             config = H2OConfig.from_dict(H2O).with_overrides(
                 {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items()})
             kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, config, BLOCK)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.policy import budget, kv_len_after, live_kv_len, select_keep
+from h2o_vllm.policy import budget, kv_len_after, live_kv_len, peak_kv_len, select_keep
 
 # --------------------------------------------------------------------------- live_kv_len
 
@@ -130,6 +130,18 @@ def test_kv_len_after_default_interval_is_one_block():
     assert lens[0] == 16                      # compacted at the end of the 100-token prompt
     assert max(lens) == 16 + 15
     assert [kv_len_after(n, 100, cfg) for n in range(100, 105)] == [16] * 5  # reference: interval 1
+
+
+@given(prompt_len=st.integers(1, 200), max_new=st.integers(0, 300), heavy=st.integers(0, 40),
+       recent=st.integers(1, 40), interval=st.integers(1, 40))
+def test_peak_kv_len_is_the_largest_step(prompt_len, max_new, heavy, recent, interval):
+    """What the scheduler reserves per running sequence: the most slots one decode step needs
+    (live length before it + the token it writes), brute-forced over the whole sequence."""
+    config = H2OConfig.from_dict({"heavy_tokens": heavy, "recent_tokens": recent, "interval": interval})
+    max_len = prompt_len + max_new
+    steps = [kv_len_after(n, prompt_len, config) + 1 for n in range(prompt_len, max_len)]
+    assert peak_kv_len(prompt_len, max_len, config) == max(steps, default=prompt_len)
+    assert peak_kv_len(prompt_len, max_len, config) <= max(prompt_len, heavy + recent + interval)
 
 
 # --------------------------------------------------------------------------- select_keep
