@@ -277,9 +277,10 @@ def main(argv=None) -> dict:
     result["meta"]["loadavg_after"] = os.getloadavg()
     result["meta"]["elapsed_s"] = time.perf_counter() - started
     (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "quality.md").write_text(markdown_table(result))
     plot(result, out / "quality.png")
     print_table(result)
-    print(f"wrote {out / 'quality.json'} and {out / 'quality.png'}")
+    print(f"wrote {out / 'quality.json'}, {out / 'quality.md'} and {out / 'quality.png'}")
     return result
 
 
@@ -289,6 +290,32 @@ def print_table(result: dict) -> None:
         print(f"{label:10s} ppl[{ppl}] rougeL={entry.get('rouge_l', float('nan')):.3f} "
               f"agree={entry.get('token_agreement', float('nan')):.3f} "
               f"passkey={entry.get('passkey_accuracy', float('nan')):.2f}")
+
+
+def markdown_table(result: dict) -> str:
+    """The README table of one run, straight from its JSON (no number typed by hand)."""
+    texts = result["meta"]["texts"]
+    lines = ["| policy | " + " | ".join(f"ppl {t}" for t in texts) + " | ROUGE-L vs full | token agreement | pass-key |",
+             "|---|" + "---|" * (len(texts) + 3)]
+    for label, entry in result["policies"].items():
+        name = "full cache" if label == "full" else label.replace("h2o-", "H2O ").replace("local-", "Local ")
+        cells = []
+        for t in texts:
+            ppl = entry.get("ppl", {}).get(t)
+            if ppl is None:
+                cells.append("")
+            elif label == "full":
+                cells.append(f"{ppl['ppl']:.2f}")
+            else:
+                cells.append(f"{ppl['ppl']:.2f} ({100 * (ppl['ppl_ratio_to_full'] - 1):+.1f}%)")
+        for key in ("rouge_l", "token_agreement"):
+            cells.append(f"{entry[key]:.3f}" if key in entry else "")
+        if "passkey_accuracy" in entry:
+            cells.append(f"{round(entry['passkey_accuracy'] * entry['num_passkey'])}/{entry['num_passkey']}")
+        else:
+            cells.append("")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:

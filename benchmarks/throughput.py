@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list: stock, full (H2O, budget above every length), h2o:<budget>, "
                         "local:<budget> (recent only); budget = fraction of the prompt")
     p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--stock-concurrency", type=float, default=4.0,
+    p.add_argument("--stock-concurrency", type=float, default=2.0,
                    help="size the KV pool so stock vLLM fits this many full-length sequences")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -148,9 +148,25 @@ def main(argv=None) -> dict:
             run["output_ratio_to_stock"] = run["output_tok_s"] / stock["output_tok_s"]
     result["meta"]["loadavg_after"] = os.getloadavg()
     (out / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "throughput.md").write_text(markdown_table(result))
     plot(result, out / "throughput.png")
-    print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")
+    print(f"wrote {out / 'throughput.json'}, {out / 'throughput.md'} and {out / 'throughput.png'}")
     return result
+
+
+def markdown_table(result: dict) -> str:
+    """The README table of one run, straight from its JSON (no number typed by hand)."""
+    names = {"stock": "stock vLLM", "full": "full (tracking only)"}
+    lines = ["| workload | config | total tok/s | output tok/s | x stock (total) | running mean / peak "
+             "| KV blocks mean / peak | preemptions |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        ratio = r.get("total_ratio_to_stock")
+        lines.append(
+            f"| {r['workload']} | {names.get(r['config'], 'H2O ' + r['config'][4:] if r['policy'] == 'h2o' else r['config'])} "
+            f"| {r['total_tok_s']:.1f} | {r['output_tok_s']:.1f} | {'' if ratio is None else f'{ratio:.2f}'} "
+            f"| {r['mean_running']:.1f} / {r['peak_running']} | {r['mean_blocks_used']:.1f} / {r['peak_blocks_used']} "
+            f"| {r['num_preemptions']} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:

@@ -30,6 +30,7 @@ class H2OManager(FullAttentionManager):
         # kv-space length = logical length - num_evicted.
         self.num_evicted: dict[str, int] = {}
         self.num_freed_blocks = 0
+        self._peak_blocks: dict[str, int] = {}  # per request: fixed by prompt, budget, max_tokens
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -62,11 +63,14 @@ class H2OManager(FullAttentionManager):
         """
         reserve = 0
         for request in running:
-            config = requests.config_for(request.request_id, self.h2o)
-            max_len = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
-            peak = cdiv(peak_kv_len(request.num_prompt_tokens, max_len, config,
-                                    self.kv_cache_spec.block_size), self.block_size)
-            reserve += max(0, peak - len(self.req_to_blocks.get(request.request_id, ())))
+            rid = request.request_id
+            peak = self._peak_blocks.get(rid)
+            if peak is None:
+                max_len = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
+                peak = self._peak_blocks[rid] = cdiv(peak_kv_len(
+                    request.num_prompt_tokens, max_len, requests.config_for(rid, self.h2o),
+                    self.kv_cache_spec.block_size), self.block_size)
+            reserve += max(0, peak - len(self.req_to_blocks.get(rid, ())))
         return reserve
 
     def _kv_tokens(self, request_id: str, num_tokens: int) -> int:
@@ -82,6 +86,7 @@ class H2OManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         self.num_evicted.pop(request_id, None)
+        self._peak_blocks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     @classmethod

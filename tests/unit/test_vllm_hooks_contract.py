@@ -99,6 +99,8 @@ OVERRIDDEN = {
     f"{_STM}:FullAttentionManager.find_longest_cache_hit": [
         "block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec",
         "drop_eagle_block", "alignment_tokens", "dcp_world_size", "pcp_world_size"],
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.remove_skipped_blocks":
+        ["self", "request_id", "processed_computed_tokens", "num_prompt_tokens"],
     "vllm.v1.kv_cache_interface:FullAttentionSpec.merge": ["specs"],
     "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered": ["vllm_config"],
     "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.register":
@@ -214,12 +216,12 @@ def _assigned(cls) -> set[str]:
 @pytest.mark.parametrize("path, attrs", [
     (_RUNNER, {"requests", "input_batch", "kv_cache_config", "vllm_config"}),
     (_SCHEDULER, {"vllm_config", "kv_cache_manager", "running"}),
-    ("vllm.v1.core.kv_cache_manager:KVCacheManager", {"coordinator"}),
+    ("vllm.v1.core.kv_cache_manager:KVCacheManager", {"coordinator", "watermark_blocks"}),
     ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", {"single_type_managers"}),
     (f"{_STM}:SingleTypeKVCacheManager", {"req_to_blocks", "block_pool", "block_size",
                                            "kv_cache_spec"}),
     ("vllm.v1.request:Request", {"request_id", "sampling_params", "num_computed_tokens",
-                                 "num_prompt_tokens"}),
+                                 "num_prompt_tokens", "num_in_flight_tokens", "max_tokens"}),
     ("vllm.v1.metrics.loggers:LoggingStatLogger", {"vllm_config"}),
     ("vllm.v1.engine.input_processor:InputProcessor", {"vllm_config"}),
     (f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", {"isa", "block_size"}),
@@ -228,6 +230,15 @@ def test_instance_attributes_the_hooks_touch_are_assigned(path, attrs):
     cls = _resolve(path)[1]
     assigned = set().union(*(_assigned(c) for c in cls.__mro__ if c.__module__.startswith("vllm")))
     assert attrs <= assigned, f"{path} no longer assigns {sorted(attrs - assigned)}"
+
+
+def test_allocate_slots_still_applies_the_watermark_to_admissions_only():
+    """The scheduler hook raises ``KVCacheManager.watermark_blocks`` by the H2O growth reserve
+    before each schedule; that only works while allocate_slots adds it for waiting/preempted
+    requests (and not for running ones, which would then starve)."""
+    source = inspect.getsource(_resolve("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots")[1])
+    assert "watermark_blocks = self.watermark_blocks" in source
+    assert re.search(r"request\.status in \(\s*RequestStatus\.WAITING,\s*RequestStatus\.PREEMPTED,?\s*\)", source)
 
 
 def _fields(path: str) -> set[str]:
