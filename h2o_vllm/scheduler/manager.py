@@ -30,7 +30,7 @@ class H2OManager(FullAttentionManager):
         # kv-space length = logical length - num_evicted.
         self.num_evicted: dict[str, int] = {}
         self.num_freed_blocks = 0
-        self._peak_blocks: dict[str, int] = {}  # per request: fixed by prompt, budget, max_tokens
+        self._peaks: dict[str, tuple[int, int]] = {}  # per request: (peak, prefill) blocks
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -53,25 +53,34 @@ class H2OManager(FullAttentionManager):
                      "blocks, holds %d", request_id, processed_computed_tokens, kv_len,
                      self.num_evicted[request_id], len(tail), len(blocks))
 
-    def growth_reserve(self, running: Sequence, max_model_len: int) -> int:
-        """Blocks the running requests may still claim: each one's peak minus what it holds.
+    def admission_headroom(self, request, num_new_tokens: int, max_model_len: int) -> int:
+        """Free blocks to keep beyond what admitting ``request`` allocates now (vLLM adds it to
+        its admission watermark): what every running sequence may still grow into, plus the
+        newcomer's own peak once its prefill step has compacted it, less that prefill.
 
-        An H2O sequence's peak is small and known (``peak_kv_len``), unlike a full-cache one's,
-        so admissions can leave room for it; otherwise a new prompt takes the blocks that the
-        running sequences grow into by the next compaction, and vLLM preempts one of them
-        (a recompute of its whole logical sequence, to free two or three blocks).
+        An H2O sequence's peak is small and known (``peak_kv_len``), unlike a full-cache one's.
+        Without this room a new prompt takes the blocks running sequences grow into before
+        their next compaction, and vLLM preempts one of them: a recompute of its whole logical
+        sequence, to free two or three blocks.
         """
-        reserve = 0
-        for request in running:
-            rid = request.request_id
-            peak = self._peak_blocks.get(rid)
-            if peak is None:
-                max_len = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
-                peak = self._peak_blocks[rid] = cdiv(peak_kv_len(
-                    request.num_prompt_tokens, max_len, requests.config_for(rid, self.h2o),
-                    self.kv_cache_spec.block_size), self.block_size)
-            reserve += max(0, peak - len(self.req_to_blocks.get(rid, ())))
-        return reserve
+        rid = request.request_id
+        max_len = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
+        peak = cdiv(peak_kv_len(request.num_prompt_tokens, max_len, requests.config_for(rid, self.h2o),
+                                self.kv_cache_spec.block_size), self.block_size)
+        prefill = cdiv(request.num_tokens, self.block_size)  # a recompute prefills its outputs too
+        self._peaks[rid] = (peak, prefill)
+        reserve = sum(self._may_still_claim(other, len(blocks))
+                      for other, blocks in self.req_to_blocks.items() if other != rid)
+        allocating = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if allocating < prefill:  # a chunked prefill claims the rest while others grow
+            return prefill - allocating + reserve
+        return max(0, peak + reserve - allocating)
+
+    def _may_still_claim(self, request_id: str, held: int) -> int:
+        peak, prefill = self._peaks.get(request_id, (0, 0))
+        # Until its first compaction a sequence may still claim the rest of its prefill.
+        limit = peak if self.num_evicted.get(request_id, 0) else max(peak, prefill)
+        return max(0, limit - held)
 
     def _kv_tokens(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.num_evicted.get(request_id, 0)
@@ -86,7 +95,7 @@ class H2OManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         self.num_evicted.pop(request_id, None)
-        self._peak_blocks.pop(request_id, None)
+        self._peaks.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     @classmethod

@@ -23,6 +23,11 @@ runner (worker).
   processed. Why: vLLM calls it lazily in ``allocate_slots``, so a freshly compacted prompt
   still holds its whole prompt's blocks when an earlier request in the queue preempts it.
   Remove when vLLM frees skipped blocks at the step boundary.
+- ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
+  (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, by
+  ``H2OManager.admission_headroom`` for that one call. Why: H2O sequences have a known, small
+  peak; vLLM admits greedily and preempts (recomputes) when running sequences then cannot grow.
+  Upstream: a per-spec admission reserve hook in the KV-cache manager.
 - ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
   (vllm/engine/arg_utils.py), in the process that builds the engine config.
   Why: the H2O config must be validated, prefix caching (on by default) turned off, and
@@ -43,9 +48,10 @@ runner (worker).
   Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
   request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
   Upstream: none needed while SamplingParams has no extension point for extra_args checks.
-- ``install_metrics_hooks`` wraps ``Scheduler.schedule`` (and records from the
-  ``update_from_output`` hook above) (engine core: freed blocks, live KV tokens read from the H2O managers) and ``LoggingStatLogger.log`` (process 0: one INFO
-  line beside vLLM's periodic stats). The worker side records in the runner hook above and
+- Metrics: ``install_scheduler_hook`` also wraps ``Scheduler.schedule`` and records from it
+  and from the ``update_from_output`` hook above (engine core: freed blocks, live KV tokens
+  read from the H2O managers); ``install_metrics_hooks`` wraps ``LoggingStatLogger.log``
+  (process 0: one INFO line beside vLLM's periodic stats). The worker side records in the runner hook above and
   in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
 """
 from __future__ import annotations

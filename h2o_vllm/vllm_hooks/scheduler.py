@@ -16,6 +16,7 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.core.sched.scheduler:Scheduler._free_blocks", _free_blocks_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _update_from_output_wrapper)
+    _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _allocate_slots_wrapper)
 
 
 def _add_request_wrapper(original):
@@ -67,13 +68,35 @@ def install_metrics_hooks() -> None:
 
 
 def _h2o_managers(scheduler) -> list:
+    return _h2o_managers_of(scheduler.kv_cache_manager)
+
+
+def _h2o_managers_of(kv_cache_manager) -> list:
     from h2o_vllm.scheduler.manager import H2OManager
-    managers = scheduler.__dict__.get("_h2o_managers")
+    managers = kv_cache_manager.__dict__.get("_h2o_managers")
     if managers is None:
-        coordinator = scheduler.kv_cache_manager.coordinator
-        managers = scheduler._h2o_managers = [m for m in coordinator.single_type_managers
-                                              if isinstance(m, H2OManager)]
+        managers = kv_cache_manager._h2o_managers = [
+            m for m in kv_cache_manager.coordinator.single_type_managers if isinstance(m, H2OManager)]
     return managers
+
+
+def _allocate_slots_wrapper(original):
+    """Admissions (waiting or preempted requests) leave room for the running H2O sequences'
+    growth: vLLM's own admission watermark, raised by ``H2OManager.admission_headroom`` for
+    this one call."""
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
+        from vllm.v1.request import RequestStatus
+        managers = _h2o_managers_of(self)
+        if not managers or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return original(self, request, num_new_tokens, *args, **kwargs)
+        base = self.watermark_blocks  # the user's --watermark
+        self.watermark_blocks = base + sum(m.admission_headroom(request, num_new_tokens, self.max_model_len)
+                                           for m in managers)
+        try:
+            return original(self, request, num_new_tokens, *args, **kwargs)
+        finally:
+            self.watermark_blocks = base
+    return allocate_slots
 
 
 def _record_metrics(scheduler) -> None:
@@ -87,19 +110,11 @@ def _record_metrics(scheduler) -> None:
 
 
 def _schedule_wrapper(original):
-    """Admissions leave room for the running requests' growth (vLLM's admission watermark,
-    raised by ``H2OManager.growth_reserve``); metrics once blocks are allocated."""
+    """Metrics once the step's blocks are allocated."""
     def schedule(self, *args, **kwargs):
-        if _h2o_of(self) is None:
-            return original(self, *args, **kwargs)
-        manager = self.kv_cache_manager
-        if not hasattr(self, "_h2o_base_watermark"):
-            self._h2o_base_watermark = manager.watermark_blocks  # the user's --watermark
-        max_model_len = self.vllm_config.model_config.max_model_len
-        manager.watermark_blocks = self._h2o_base_watermark + sum(
-            m.growth_reserve(self.running, max_model_len) for m in _h2o_managers(self))
         output = original(self, *args, **kwargs)
-        _record_metrics(self)
+        if _h2o_of(self) is not None:
+            _record_metrics(self)
         return output
     return schedule
 

@@ -1,5 +1,5 @@
 """Soak against a real `h2o-vllm serve` (tiny Llama, H2O on, a KV pool far too small for the
-load): many concurrent streaming clients with mixed lengths and budgets and random disconnects.
+load, so requests queue): many concurrent streaming clients with mixed lengths and budgets and random disconnects.
 Afterwards every KV block is free again (read from the engine's own /metrics), no request
 failed, memory did not grow past a bound, and the server still answers. The long version is
 ``benchmarks/soak.py``; the client logic both use is ``h2o_vllm.soak``."""
@@ -99,9 +99,10 @@ def test_soak_frees_every_block_fails_nothing_and_does_not_grow(server):
     assert summary["requests"] >= 100, summary
     assert summary["ok"] > 0 and summary["aborted"] > 0 and summary["rejected"] > 0, summary
     assert summary["ok"] + summary["aborted"] + summary["rejected"] == summary["requests"]
-    # The pool was too small: vLLM preempted, and H2O evicted and freed blocks.
-    for name in ("vllm:num_preemptions_total", "h2o_vllm:evicted_tokens_total",
-                 "h2o_vllm:freed_blocks_total"):
+    # H2O evicted and freed blocks. Preemptions are printed, not required: admission keeps room
+    # for the running sequences' known peaks, so the pool being too small makes requests wait
+    # rather than be recomputed (tests/engine/test_blocks.py forces preemption instead).
+    for name in ("h2o_vllm:evicted_tokens_total", "h2o_vllm:freed_blocks_total"):
         assert end[name] > start[name], (name, start[name], end[name])
     # Every completed request's tokens reached the engine's own count.
     generated = end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"]

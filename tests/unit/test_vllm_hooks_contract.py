@@ -68,6 +68,11 @@ SIGNATURES = {
     f"{_SCHEDULER}._free_blocks": ["self", "request"],
     f"{_SCHEDULER}.schedule": ["self", "throttle_prefills"],
     f"{_SCHEDULER}.update_from_output": ["self", "scheduler_output", "model_runner_output"],
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots": [
+        "self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+        "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+        "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs",
+        "skip_zeroing_group_ids"],
     "vllm.engine.arg_utils:EngineArgs.create_engine_config": ["self", "usage_context", "headless"],
     "vllm.engine.arg_utils:EngineArgs.add_cli_args": ["parser"],
     "vllm.v1.engine.input_processor:InputProcessor._validate_params":
@@ -216,12 +221,12 @@ def _assigned(cls) -> set[str]:
 @pytest.mark.parametrize("path, attrs", [
     (_RUNNER, {"requests", "input_batch", "kv_cache_config", "vllm_config"}),
     (_SCHEDULER, {"vllm_config", "kv_cache_manager", "running"}),
-    ("vllm.v1.core.kv_cache_manager:KVCacheManager", {"coordinator", "watermark_blocks"}),
+    ("vllm.v1.core.kv_cache_manager:KVCacheManager", {"coordinator", "watermark_blocks", "max_model_len"}),
     ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", {"single_type_managers"}),
     (f"{_STM}:SingleTypeKVCacheManager", {"req_to_blocks", "block_pool", "block_size",
                                            "kv_cache_spec"}),
     ("vllm.v1.request:Request", {"request_id", "sampling_params", "num_computed_tokens",
-                                 "num_prompt_tokens", "num_in_flight_tokens", "max_tokens"}),
+                                 "num_prompt_tokens", "num_in_flight_tokens", "max_tokens", "status"}),
     ("vllm.v1.metrics.loggers:LoggingStatLogger", {"vllm_config"}),
     ("vllm.v1.engine.input_processor:InputProcessor", {"vllm_config"}),
     (f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", {"isa", "block_size"}),
@@ -233,8 +238,8 @@ def test_instance_attributes_the_hooks_touch_are_assigned(path, attrs):
 
 
 def test_allocate_slots_still_applies_the_watermark_to_admissions_only():
-    """The scheduler hook raises ``KVCacheManager.watermark_blocks`` by the H2O growth reserve
-    before each schedule; that only works while allocate_slots adds it for waiting/preempted
+    """The allocate_slots hook raises ``KVCacheManager.watermark_blocks`` by the H2O headroom
+    for one admission; that only works while allocate_slots adds it for waiting/preempted
     requests (and not for running ones, which would then starve)."""
     source = inspect.getsource(_resolve("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots")[1])
     assert "watermark_blocks = self.watermark_blocks" in source
