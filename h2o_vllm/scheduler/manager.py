@@ -30,7 +30,7 @@ class H2OManager(FullAttentionManager):
         # kv-space length = logical length - num_evicted.
         self.num_evicted: dict[str, int] = {}
         self.num_freed_blocks = 0
-        self._peaks: dict[str, tuple[int, int]] = {}  # per request: (peak, prefill) blocks
+        self._admitted: dict[str, tuple[int, int, int]] = {}  # (peak, prefill, interval) in blocks
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -55,32 +55,37 @@ class H2OManager(FullAttentionManager):
 
     def admission_headroom(self, request, num_new_tokens: int, max_model_len: int) -> int:
         """Free blocks to keep beyond what admitting ``request`` allocates now (vLLM adds it to
-        its admission watermark): what every running sequence may still grow into, plus the
-        newcomer's own peak once its prefill step has compacted it, less that prefill.
+        its admission watermark): what each running sequence claims over its next interval of
+        tokens, and what the newcomer claims after its prefill step, less that prefill.
 
-        An H2O sequence's peak is small and known (``peak_kv_len``), unlike a full-cache one's.
-        Without this room a new prompt takes the blocks running sequences grow into before
-        their next compaction, and vLLM preempts one of them: a recompute of its whole logical
-        sequence, to free two or three blocks.
+        Why an interval: an H2O sequence compacts every interval, so that is all it can grow
+        before it gives blocks back (its peak, ``peak_kv_len``, is small and known). Keeping
+        that room stops admissions from taking the blocks running sequences are about to
+        need, which vLLM would reclaim by preempting one: a recompute of its whole logical
+        sequence, to free two or three blocks. A sequence whose budget exceeds its length
+        never compacts; for it the same horizon keeps one interval, about as optimistic as
+        stock vLLM's admission.
         """
-        rid = request.request_id
-        max_len = min(request.num_prompt_tokens + request.max_tokens, max_model_len)
-        peak = cdiv(peak_kv_len(request.num_prompt_tokens, max_len, requests.config_for(rid, self.h2o),
-                                self.kv_cache_spec.block_size), self.block_size)
+        rid, prompt_len = request.request_id, request.num_prompt_tokens
+        config, block_size = requests.config_for(rid, self.h2o), self.kv_cache_spec.block_size
+        max_len = min(prompt_len + request.max_tokens, max_model_len)
+        peak = cdiv(peak_kv_len(prompt_len, max_len, config, block_size), self.block_size)
+        horizon = cdiv(config.resolved_interval(block_size), self.block_size)
         prefill = cdiv(request.num_tokens, self.block_size)  # a recompute prefills its outputs too
-        self._peaks[rid] = (peak, prefill)
-        reserve = sum(self._may_still_claim(other, len(blocks))
+        self._admitted[rid] = (peak, prefill, horizon)
+        reserve = sum(self._next_interval_claim(other, len(blocks))
                       for other, blocks in self.req_to_blocks.items() if other != rid)
         allocating = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         if allocating < prefill:  # a chunked prefill claims the rest while others grow
             return prefill - allocating + reserve
-        return max(0, peak + reserve - allocating)
+        after = cdiv(kv_len_after(request.num_tokens, prompt_len, config, block_size), self.block_size)
+        return max(0, min(peak, after + horizon) + reserve - allocating)
 
-    def _may_still_claim(self, request_id: str, held: int) -> int:
-        peak, prefill = self._peaks.get(request_id, (0, 0))
+    def _next_interval_claim(self, request_id: str, held: int) -> int:
+        peak, prefill, horizon = self._admitted.get(request_id, (0, 0, 0))
         # Until its first compaction a sequence may still claim the rest of its prefill.
         limit = peak if self.num_evicted.get(request_id, 0) else max(peak, prefill)
-        return max(0, limit - held)
+        return max(0, min(limit, held + horizon) - held)
 
     def _kv_tokens(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.num_evicted.get(request_id, 0)
@@ -95,7 +100,7 @@ class H2OManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         self.num_evicted.pop(request_id, None)
-        self._peaks.pop(request_id, None)
+        self._admitted.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
     @classmethod

@@ -57,7 +57,7 @@ def stock_llm(tiny_llama_dir):
         yield llm
 
 
-def _drive_counting(llm, num_requests):
+def _drive_counting(llm, num_requests, extra_args=None):
     """(running per step, preemptions) for num_requests long-generation requests at once."""
     scheduler = scheduler_of(llm)
     running, preemptions = [], []
@@ -70,7 +70,8 @@ def _drive_counting(llm, num_requests):
     scheduler._preempt_request = counting_preempt
     try:
         prompts = random_prompts([LONG_PROMPT] * num_requests, seed=1)
-        outputs = _run(llm, prompts, greedy(LONG_OUTPUT), on_step=lambda: running.append(len(scheduler.running)))
+        outputs = _run(llm, prompts, greedy(LONG_OUTPUT, extra_args=extra_args),
+                       on_step=lambda: running.append(len(scheduler.running)))
     finally:
         del scheduler._preempt_request
     assert all(len(o) == LONG_OUTPUT for o in outputs.values()) and len(outputs) == num_requests
@@ -102,6 +103,18 @@ def test_admission_leaves_room_so_h2o_never_preempts_under_overload(h2o_llm):
     assert max(running) >= (POOL - cdiv(LONG_PROMPT, BLOCK)) // peak_blocks - 1
 
 
+def test_budget_above_every_length_admits_like_stock(h2o_llm, stock_llm):
+    """The admission headroom looks one interval ahead, not to the end of a sequence: with a
+    budget no sequence reaches (nothing is ever compacted) H2O admits about as many requests
+    as stock vLLM on the same pool, instead of reserving every sequence's full length."""
+    (stock, _), (never_compacted, _) = (_drive_counting(stock_llm, NUM_LONG), _drive_counting(
+        h2o_llm, NUM_LONG, extra_args={"h2o_heavy_tokens": 2 * (LONG_PROMPT + LONG_OUTPUT),
+                                       "h2o_recent_tokens": 8}))
+    stock_mean, h2o_mean = sum(stock) / len(stock), sum(never_compacted) / len(never_compacted)
+    print(f"running sequences, nothing compacted: stock mean {stock_mean:.1f}, H2O {h2o_mean:.1f}")
+    assert h2o_mean >= 0.8 * stock_mean
+
+
 def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
     scheduler, runner = scheduler_of(h2o_llm), _model_runner(h2o_llm)
     manager = _manager(scheduler)
@@ -130,7 +143,7 @@ def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
     assert all(len(o) == 60 for o in outputs.values())
     assert max(checked) > 0, "no request ever evicted: the check proved nothing"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
-    assert not manager.num_evicted and not manager._peaks, "per-request state outlived its request"
+    assert not manager.num_evicted and not manager._admitted, "per-request state outlived its request"
 
 
 def test_preemption_completes_every_request_without_leaking(h2o_llm, monkeypatch):
