@@ -55,7 +55,8 @@ def peak_kv_len(prompt_len: int, max_len: int, config: H2OConfig, block_size: in
     after its prompt: the live length before a decode step plus the token it writes.
 
     Bounded by budget + interval whatever ``max_len`` is: what makes H2O's memory per
-    sequence predictable, and what the scheduler reserves for running sequences.
+    sequence predictable, and the bound of what admission keeps free for a running sequence
+    (``H2OManager.admission_headroom``).
     """
     heavy, recent = config.budget(prompt_len)
     budget_tokens, interval = heavy + recent, config.resolved_interval(block_size)

@@ -51,8 +51,8 @@ runner (worker).
 - Metrics: ``install_scheduler_hook`` also wraps ``Scheduler.schedule`` and records from it
   and from the ``update_from_output`` hook above (engine core: freed blocks, live KV tokens
   read from the H2O managers); ``install_metrics_hooks`` wraps ``LoggingStatLogger.log``
-  (process 0: one INFO line beside vLLM's periodic stats). The worker side records in the runner hook above and
-  in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
+  (process 0: one INFO line beside vLLM's periodic stats). The worker side records in the
+  runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
 """
 from __future__ import annotations
 
