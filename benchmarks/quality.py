@@ -22,7 +22,6 @@ import math
 import os
 import random
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -148,19 +147,6 @@ def run_engine(job: dict) -> dict:
     return results
 
 
-def spawn(job: dict, stem: Path, env: dict) -> dict:
-    stem.with_suffix(".job.json").write_text(json.dumps(job))
-    with open(stem.with_suffix(".log"), "w") as log:
-        rc = subprocess.run([sys.executable, __file__, "--one", str(stem.with_suffix(".job.json"))],
-                            env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    stem.with_suffix(".job.json").unlink()
-    if rc != 0:
-        raise RuntimeError(f"engine failed (exit {rc}); see {stem.with_suffix('.log')}")
-    result = json.loads(Path(job["result"]).read_text())
-    Path(job["result"]).unlink()
-    return result
-
-
 def compare_generations(engine_out: dict) -> dict:
     """Per policy: (b) agreement with the full cache, (c) pass-key accuracy."""
     from rouge_score import rouge_scorer
@@ -221,19 +207,16 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.one:
-        job = json.loads(Path(args.one).read_text())
-        Path(job["result"]).write_text(json.dumps(run_engine(job)))
+        from h2o_vllm import bench
+        bench.run_job_file(args.one, run_engine)
         return {}
-    from h2o_vllm import models
+    from h2o_vllm import bench, models
 
     model = args.model or str(models.smollm2_dir())
     host = socket.gethostname()
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out = bench.results_dir(args.out, __file__)
+    env = bench.engine_env(args.omp_threads)
     if args.omp_threads:
-        env["OMP_NUM_THREADS"] = args.omp_threads
         import torch
         torch.set_num_threads(int(args.omp_threads))
     budgets = [float(b) for b in args.budgets.split(",")]
@@ -260,7 +243,8 @@ def main(argv=None) -> dict:
             bar.set_postfix_str("vLLM " + ("H2O + Local" if h2o else "stock (full cache)"))
             job = {"args": vars(args), "model": model, "h2o": h2o, "policies": labels, "max_model_len": max_len,
                    "result": str(out / "logs" / f"quality-{'h2o' if h2o else 'stock'}.part.json")}
-            engine_out.update(spawn(job, out / "logs" / f"quality-{'h2o' if h2o else 'stock'}", env))
+            engine_out.update(bench.run_child(__file__, job, out / "logs" / f"quality-{'h2o' if h2o else 'stock'}",
+                                              env, "engine"))
             bar.update(1)
         for label, entry in compare_generations(engine_out).items():
             result["policies"][label].update(entry)

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,23 +91,19 @@ def run_one(job: dict) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.one:
-        job = json.loads(Path(args.one).read_text())
-        Path(job["result"]).write_text(json.dumps(run_one(job)))
+        from h2o_vllm import bench
+        bench.run_job_file(args.one, run_one)
         return {}
     from vllm.utils.math_utils import cdiv
 
-    from h2o_vllm import models
+    from h2o_vllm import bench, models
 
     model = args.model or str(models.smollm2_dir())
     max_model_len = cdiv(args.prompt_len + args.output_len, args.block_size) * args.block_size
     num_blocks = args.num_blocks or int(args.stock_concurrency * max_model_len / args.block_size)
     host = socket.gethostname()
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the pool is fixed by num_blocks; this only caps the profile
-    if args.omp_threads:
-        env["OMP_NUM_THREADS"] = args.omp_threads
+    out = bench.results_dir(args.out, __file__)
+    env = bench.engine_env(args.omp_threads)
     configs = [parse_config(c) for c in args.configs.split(",")]
     workloads = args.workloads.split(",")
     result = {"meta": {
@@ -125,16 +120,8 @@ def main(argv=None) -> dict:
             job = {"args": vars(args), "model": model, "workload": workload, "policy": policy,
                    "budget": budget, "num_blocks": num_blocks, "max_model_len": max_model_len,
                    "result": str(stem) + ".part.json"}
-            Path(str(stem) + ".job.json").write_text(json.dumps(job))
-            with open(str(stem) + ".log", "w") as log:
-                rc = subprocess.run([sys.executable, __file__, "--one", str(stem) + ".job.json"],
-                                    env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-            Path(str(stem) + ".job.json").unlink()
-            if rc != 0:
-                raise RuntimeError(f"{workload}/{label} failed (exit {rc}); see {stem}.log")
             run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
-                   **json.loads(Path(job["result"]).read_text())}
-            Path(job["result"]).unlink()
+                   **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
             result["runs"].append(run)
             bar.update(1)
             tqdm.write(f"{workload:9s} {label:9s} total {run['total_tok_s']:7.1f} tok/s  output "

@@ -7,8 +7,14 @@ process holds scheduler, model and H2O; timing covers all of it.
 """
 from __future__ import annotations
 
+import datetime
 import gzip
+import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +31,46 @@ TEXTS = {
     "devil": [Path("/usr/share/dictd/devil.dict.dz"),
               default_cache_dir() / "dict-devil/usr/share/dictd/devil.dict.dz"],
 }
+
+def results_dir(out: str | None, script: str) -> Path:
+    """``--out`` or ``benchmarks/results/<date>-<host>/`` beside ``script``, with its logs/."""
+    path = Path(out or Path(script).parent / "results" / f"{datetime.date.today()}-{socket.gethostname()}")
+    (path / "logs").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def engine_env(omp_threads: str) -> dict[str, str]:
+    """Environment of a benchmark's engine child: in-process engine core (``measure`` reads the
+    scheduler), a KV profile cap (pools are fixed by the scripts), one OpenMP thread unless told."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if omp_threads:
+        env["OMP_NUM_THREADS"] = omp_threads
+    return env
+
+
+def run_child(script: str, job: dict, stem: Path, env: dict[str, str], what: str) -> dict:
+    """Run ``script --one <job>`` in a fresh process (own engine, clean memory and timing),
+    its output in ``<stem>.log``; returns the dict it wrote to ``job["result"]``."""
+    job_path, log_path = Path(f"{stem}.job.json"), Path(f"{stem}.log")
+    job_path.write_text(json.dumps(job))
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, script, "--one", str(job_path)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    job_path.unlink()
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (exit {rc}); see {log_path}")
+    result_path = Path(job["result"])
+    result = json.loads(result_path.read_text())
+    result_path.unlink()
+    return result
+
+
+def run_job_file(job_file: str, run) -> None:
+    """The child side of ``run_child``: ``run(job)`` and write its result where asked."""
+    job = json.loads(Path(job_file).read_text())
+    Path(job["result"]).write_text(json.dumps(run(job)))
+
 
 def h2o_config(policy: str, budget: float | None, max_model_len: int | None = None,
                interval: int = 32) -> dict[str, Any] | None:
