@@ -48,6 +48,14 @@ runner (worker).
   Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
   request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
   Upstream: none needed while SamplingParams has no extension point for extra_args checks.
+- ``install_request_validation_hook`` also wraps ``OpenAIServingCompletion.create_completion``,
+  ``OpenAIServingChat.create_chat_completion`` and ``OpenAIServingResponses.create_responses``
+  (vllm/entrypoints/openai/*/serving.py), in a top-level process 0 only (the API server).
+  Why: the input processor runs inside the engine client's ``generate``, which a streaming
+  response iterates only after its HTTP 200 is sent, so a bad streaming request became an SSE
+  error event. The wrapper checks ``vllm_xargs`` first; its ``VLLMValidationError`` reaches
+  vLLM's exception handler as HTTP 400, streaming or not. Upstream: a validation hook for
+  ``extra_args`` run before the serving layer starts a response. Remove when vLLM has one.
 - Metrics: ``install_scheduler_hook`` also wraps ``Scheduler.schedule`` and records from it
   and from the ``update_from_output`` hook above (engine core: freed blocks, live KV tokens
   read from the H2O managers); ``install_metrics_hooks`` wraps ``LoggingStatLogger.log``

@@ -1,15 +1,39 @@
-"""Hook on request validation: per-request H2O budgets refused before queueing (HTTP 400).
+"""Hooks on request validation: per-request H2O budgets refused before queueing (HTTP 400).
 
-Runs in process 0.
+Runs in process 0. Two seams, one check (``check_request_overrides``):
+
+- ``InputProcessor._validate_params``: every request, offline (``LLM.generate`` raises) and
+  served. In the server it runs inside the engine client's ``generate``, which a streaming
+  response only iterates once its HTTP 200 has been sent, so alone it turns a bad streaming
+  request into an SSE error event.
+- The OpenAI serving entry points (completions, chat completions, responses): the same check on
+  ``vllm_xargs`` before the handler builds anything, so a streaming request is refused with the
+  HTTP 400 a non-streaming one gets, from vLLM's own ``VLLMError`` exception handler.
 """
 from __future__ import annotations
 
-from h2o_vllm.vllm_hooks import _wrap
+import multiprocessing
 
+from h2o_vllm.vllm_hooks import _wrap
 
 def install_request_validation_hook() -> None:
     """Refuse bad per-request H2O budgets before the request is queued (HTTP 400)."""
     _wrap("vllm.v1.engine.input_processor:InputProcessor._validate_params", _validate_params_wrapper)
+    # The serving modules cost ~0.7 s to import and only the API server uses them: not in the
+    # spawned engine core and workers. (Extra API servers of --api-server-count > 1 are spawned
+    # too: there the input-processor check above still refuses, inside the stream.)
+    if multiprocessing.parent_process() is None:
+        install_serving_validation_hook()
+
+
+def install_serving_validation_hook() -> None:
+    """The OpenAI entry points that take ``vllm_xargs``, wrapped to check it before any stream."""
+    _wrap("vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion",
+          _serving_wrapper)
+    _wrap("vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion",
+          _serving_wrapper)
+    _wrap("vllm.entrypoints.openai.responses.serving:OpenAIServingResponses.create_responses",
+          _serving_wrapper)
 
 
 def _request_error(message: str, value) -> ValueError:
@@ -52,3 +76,13 @@ def _validate_params_wrapper(original):
         return result
     return _validate_params
 
+
+def _serving_wrapper(original):
+    async def create(self, request, *args, **kwargs):
+        # vllm_xargs becomes SamplingParams.extra_args unchanged (to_sampling_params); the
+        # raise reaches vLLM's VLLMError handler: a JSON 400 before any response has started.
+        xargs = getattr(request, "vllm_xargs", None)
+        if xargs:
+            check_request_overrides(self.engine_client.vllm_config.additional_config, xargs)
+        return await original(self, request, *args, **kwargs)
+    return create

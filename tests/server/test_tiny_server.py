@@ -141,6 +141,34 @@ def test_bad_request_budget_is_400_and_server_keeps_serving(server, xargs, match
     assert _complete(server, PROMPTS[0], None).choices[0].finish_reason == "length"
 
 
+def _create(server, endpoint: str, xargs: dict, stream: bool):
+    client, extra_body = server.client(), {"vllm_xargs": xargs}
+    if endpoint == "completions":
+        return client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=8,
+                                         stream=stream, extra_body=extra_body)
+    if endpoint == "chat":
+        return client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=8,
+                                              stream=stream, extra_body=extra_body)
+    return client.responses.create(model=server.model, input=PROMPTS[0], max_output_tokens=8,
+                                   stream=stream, extra_body=extra_body)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
+def test_bad_budget_is_the_same_400_streaming_or_not(server, endpoint):
+    """The openai client raises BadRequestError from create() itself: the status of the response,
+    not an error event inside an HTTP 200 stream."""
+    bodies = {}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as error:
+            _create(server, endpoint, {"h2o_heavy_ratio": 1.5}, stream)
+        assert error.value.status_code == 400
+        bodies[stream] = error.value.body
+    assert bodies[True] == bodies[False], bodies
+    message = bodies[True]["message"] if "message" in bodies[True] else bodies[True]["error"]["message"]
+    assert "h2o_heavy_ratio" in message and "must be in [0, 1], got 1.5" in message, message
+    assert _complete(server, PROMPTS[0], None, stream=True)
+
+
 def test_periodic_stats_log_has_h2o_summary(server):
     """vLLM logs its stats every VLLM_LOG_STATS_INTERVAL (10 s); the H2O line follows."""
     assert wait_for(lambda: "H2O: evicted" in server.tail(10**7), timeout_s=25), server.tail()

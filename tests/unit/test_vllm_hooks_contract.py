@@ -77,6 +77,12 @@ SIGNATURES = {
     "vllm.engine.arg_utils:EngineArgs.add_cli_args": ["parser"],
     "vllm.v1.engine.input_processor:InputProcessor._validate_params":
         ["self", "params", "supported_tasks"],
+    "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion":
+        ["self", "request", "raw_request"],
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion":
+        ["self", "request", "raw_request"],
+    "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses.create_responses":
+        ["self", "request", "raw_request"],
     "vllm.v1.metrics.loggers:LoggingStatLogger.log": ["self"],
 }
 
@@ -229,6 +235,9 @@ def _assigned(cls) -> set[str]:
                                  "num_prompt_tokens", "num_in_flight_tokens", "max_tokens", "status"}),
     ("vllm.v1.metrics.loggers:LoggingStatLogger", {"vllm_config"}),
     ("vllm.v1.engine.input_processor:InputProcessor", {"vllm_config"}),
+    ("vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion", {"engine_client"}),
+    ("vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", {"engine_client"}),
+    ("vllm.entrypoints.openai.responses.serving:OpenAIServingResponses", {"engine_client"}),
     (f"{_CPU_ATTN}:CPUAttentionMetadataBuilder", {"isa", "block_size"}),
 ])
 def test_instance_attributes_the_hooks_touch_are_assigned(path, attrs):
@@ -248,6 +257,34 @@ def test_allocate_slots_still_applies_the_watermark_to_admissions_only():
 
 def _fields(path: str) -> set[str]:
     return {f.name for f in dataclasses.fields(_resolve(path)[1])}
+
+
+@pytest.mark.parametrize("path", [
+    "vllm.entrypoints.openai.completion.protocol:CompletionRequest",
+    "vllm.entrypoints.openai.chat_completion.protocol:ChatCompletionRequest",
+    "vllm.entrypoints.openai.responses.protocol:ResponsesRequest",
+])
+def test_serving_hook_checks_what_becomes_extra_args(path):
+    """The serving hook checks ``request.vllm_xargs``: each request class still has it and hands
+    it to ``SamplingParams.extra_args`` in ``to_sampling_params``."""
+    cls = _resolve(path)[1]
+    assert "vllm_xargs" in cls.model_fields
+    source = inspect.getsource(cls.to_sampling_params)
+    assert "self.vllm_xargs" in source and "extra_args=extra_args" in source
+
+
+def test_serving_hook_error_reaches_vllms_400_handler():
+    """The hook raises ``VLLMValidationError`` out of the serving entry point, before the route
+    builds a StreamingResponse; vLLM's app maps a ``VLLMError`` to its status there, and the
+    engine client the serving classes hold carries ``vllm_config``."""
+    from vllm.exceptions import VLLMError, VLLMValidationError
+    assert issubclass(VLLMValidationError, VLLMError)
+    source = inspect.getsource(_resolve(
+        "vllm.entrypoints.serve.exception_handling.register:init_exception_handler")[1])
+    assert "app.exception_handler(VLLMError)" in source
+    assert "vllm_config" in _resolve("vllm.engine.protocol:EngineClient")[1].__annotations__
+    route = inspect.getsource(_resolve("vllm.entrypoints.openai.completion.api_router:create_completion")[1])
+    assert route.index("await handler.create_completion(") < route.index("StreamingResponse(")
 
 
 def test_dataclass_fields_the_hooks_read_or_rebuild():
