@@ -33,15 +33,7 @@ sys.path.insert(0, str(HERE.parent))
 from gpu_bundle import bundle, wheels  # noqa: E402
 
 PINS = HERE / "pins.txt"
-# The GPU machine (/work/shared/design/gpu-device.md): CPython 3.12 on manylinux x86_64.
-TARGET = ["--python-version", "3.12", "--implementation", "cp",
-          "--abi", "cp312", "--abi", "abi3", "--abi", "none",
-          *[arg for tag in ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64",
-                            "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
-                            "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-                            "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                            "manylinux_2_5_x86_64", "manylinux1_x86_64")
-            for arg in ("--platform", tag)]]
+TARGET = bundle.PIP_TARGET
 VLLM_LOCAL_VERSION = "h2o.pure"
 # Member of the vLLM wheel -> stand-in source (standins/*.py says why each exists).
 STANDINS = {

@@ -16,6 +16,17 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 # What may travel to the GPU machine is 64 MiB with the working tree; the tree is ~2 MiB.
 SIZE_LIMIT_BYTES = 60 * 2**20
+# The GPU machine (/work/shared/design/gpu-device.md): CPython 3.12 on manylinux x86_64. The
+# build downloads for it and the install names it, so the same install command also runs on a
+# CPU machine with another Python (the dry run).
+PIP_TARGET = ["--python-version", "3.12", "--implementation", "cp",
+              "--abi", "cp312", "--abi", "abi3", "--abi", "none",
+              *[arg for tag in ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64",
+                                "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+                                "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+                                "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                                "manylinux_2_5_x86_64", "manylinux1_x86_64")
+                for arg in ("--platform", tag)]]
 
 
 def sha256_file(path: str | Path) -> str:
@@ -84,9 +95,13 @@ def verify(root: str | Path, limit: int = SIZE_LIMIT_BYTES) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Check a GPU bundle against its manifest.")
-    p.add_argument("command", choices=["verify"])
+    p.add_argument("command", choices=["verify", "pip-target"],
+                   help="verify: check files and size; pip-target: print pip's target flags")
     p.add_argument("bundle", nargs="?", default=".gpu-bundle")
     a = p.parse_args(argv)
+    if a.command == "pip-target":
+        print(" ".join(PIP_TARGET + ["--only-binary=:all:"]))
+        return 0
     problems = verify(a.bundle)
     for problem in problems:
         print(f"gpu bundle: {problem}", file=sys.stderr)
