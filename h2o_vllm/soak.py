@@ -8,6 +8,14 @@ pieces: ``plan`` (a seeded list of requests), ``run`` (drives them through
 ``wait_idle`` (polls until the engine holds no KV block and runs nothing) and ``group_rss``
 (resident memory summed over a process group, from ``/proc``).
 
+Two sides run the same load: ``h2o`` (per-request budgets in ``vllm_xargs``) and ``stock``
+(``SoakConfig.h2o=False``: the same prompts, lengths, actions and seeds, no ``h2o_*`` key; its
+invalid requests carry a value stock vLLM refuses instead).
+
+Nothing is retried. A failed request is recorded with a ``failure_class`` and what the HTTP
+client saw (``trace_connections``: new or reused keep-alive connection, the last transport
+phase, the exception chain), so a rare failure can be told apart from a server fault.
+
 Prompts are token ids (``prompt=[...]``), so lengths are exact and any vocabulary of at least
 ``TOKEN_IDS.stop`` ids works (the tiny test Llama has 512). Every request sets ``ignore_eos``:
 one that is not disconnected must stream exactly ``max_tokens`` tokens and finish with
@@ -16,8 +24,10 @@ one that is not disconnected must stream exactly ``max_tokens`` tokens and finis
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import random
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -40,6 +50,22 @@ BUDGETS: list[dict | None] = [
 ]
 #: A per-request value the server must refuse with HTTP 400 (interval must be >= 1).
 BAD_BUDGET = {"h2o_interval": 0}
+#: The stock side's invalid request: a value stock vLLM refuses with HTTP 400 before any stream
+#: (``SamplingParams``: temperature must be non-negative), in place of the bad budget.
+STOCK_BAD = {"temperature": -1.0}
+
+#: ``VLLM_PLUGINS`` of the stock side's server: any installed plugin but ours, so no process
+#: of that server loads h2o-vllm (as tests/engine/engines.py does for stock engines).
+STOCK_PLUGINS = "lora_filesystem_resolver"
+
+#: The client's keep-alive expiry (seconds), well under the server's (vLLM:
+#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, default 5 s). With both at 5 s (httpx's and the openai
+#: client's default) a connection can be picked from the pool just as uvicorn closes it: the
+#: request then dies before any response ("Server disconnected without sending a response",
+#: ``APIConnectionError``), and nothing reaches the server's log. The server starts its timer
+#: when it has sent the last byte, the client when it has read it, so the margin must also
+#: cover how late a busy client reads (see benchmarks/keepalive_race.py).
+KEEPALIVE_EXPIRY_S = 1.0
 
 #: What a client does with its request.
 FULL, CLOSE, CANCEL, BAD = "full", "close", "cancel", "bad"
@@ -54,6 +80,7 @@ class Job:
     action: str             # FULL: read to the end; CLOSE: close the stream after `after` chunks;
     after: int = 0          # CANCEL: cancel the task `delay_s` after sending; BAD: expect a 400
     delay_s: float = 0.0
+    extra: dict | None = None   # further request fields (the stock side's invalid value)
 
 
 @dataclass
@@ -66,6 +93,11 @@ class Outcome:
     tokens: int = 0         # token ids streamed back
     error: str = ""
     seconds: float = 0.0
+    first_token_s: float | None = None  # time to the first streamed token
+    failure_class: str = ""  # see classify()
+    connection: str = ""    # "new" or "reused" keep-alive connection (httpcore trace); "" unknown
+    phase: str = ""         # last transport event the request reached (httpcore trace)
+    cause: str = ""         # the exception chain, outermost first
 
 
 @dataclass
@@ -82,6 +114,7 @@ class SoakConfig:
     request_timeout_s: float = 300.0
     seed: int = 0
     budgets: list = field(default_factory=lambda: list(BUDGETS))
+    h2o: bool = True                # False: the stock side, no h2o_* key in any request
 
 
 def plan(cfg: SoakConfig) -> Iterator[Job]:
@@ -99,6 +132,7 @@ def plan(cfg: SoakConfig) -> Iterator[Job]:
         max_tokens = rng.choice([1, 2]) if rng.random() < 0.05 else rng.randint(*cfg.max_tokens)
         max_tokens = max(1, min(max_tokens, cfg.max_model_len - prompt_len))
         r = rng.random()
+        extra = None
         if r < cfg.bad_share:
             action, xargs = BAD, BAD_BUDGET
         else:
@@ -109,17 +143,92 @@ def plan(cfg: SoakConfig) -> Iterator[Job]:
                 action = CANCEL
             else:
                 action = FULL
+        if not cfg.h2o:     # after every draw: both sides get the same sequence of requests
+            xargs, extra = None, (STOCK_BAD if action == BAD else None)
         yield Job(i, [rng.choice(TOKEN_IDS) for _ in range(prompt_len)], max_tokens, xargs, action,
-                  after=rng.randint(1, 8), delay_s=rng.uniform(0.0, 2.0))
+                  after=rng.randint(1, 8), delay_s=rng.uniform(0.0, 2.0), extra=extra)
+
+
+#: The Outcome of the request the current task is sending (read by the trace hooks).
+_current: contextvars.ContextVar[Outcome | None] = contextvars.ContextVar("soak_outcome", default=None)
+
+
+async def trace_connections(request) -> None:
+    """httpx request hook (async: httpx awaits them): records on the current Outcome whether httpcore opened a new
+    connection for the request or reused a kept-alive one, and the last transport phase."""
+    out = _current.get()
+    if out is None:
+        return
+
+    async def trace(event: str, info: dict) -> None:
+        if event.startswith("connection.connect_tcp."):
+            out.connection = "new"
+        elif event.startswith("http11.send_request_headers.started") and not out.connection:
+            out.connection = "reused"
+        # The furthest step reached: not the body reads (one per chunk) nor response_closed,
+        # which httpcore also runs to clean up after a failed send.
+        if not event.startswith(("http11.receive_response_body", "http11.response_closed")):
+            out.phase = event
+    request.extensions["trace"] = trace
+
+
+def http_client(concurrency: int, timeout_s: float, keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S):
+    import httpx
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4,
+                          keepalive_expiry=keepalive_expiry_s)
+    return httpx.AsyncClient(limits=limits, timeout=timeout_s,
+                             event_hooks={"request": [trace_connections]})
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def classify(exc: BaseException, out: Outcome) -> str:
+    """The failure class of an exception a request raised (nothing is retried):
+
+    - ``stale-keepalive``: a reused keep-alive connection closed by the server before it sent
+      any response (the request never reached the server's handler: no log line, no tokens);
+    - ``connection``: any other transport error before the response (connect refused, reset);
+    - ``stream-broken``: the connection broke after the response had started;
+    - ``timeout``; ``http-<status>``: an error status; ``in-stream-error``: an error event
+      inside an HTTP 200 stream; ``other``.
+    """
+    import openai
+    out.cause = " <- ".join(f"{type(e).__name__}: {e}" for e in _chain(exc))[:600]
+    if isinstance(exc, openai.APITimeoutError):
+        return "timeout"
+    if isinstance(exc, openai.APIConnectionError):
+        before_response = out.phase != "http11.receive_response_headers.complete"
+        disconnected = any("Server disconnected without sending a response" in str(e)
+                           or isinstance(e, (ConnectionResetError, BrokenPipeError)) for e in _chain(exc))
+        if out.connection == "reused" and before_response and disconnected:
+            return "stale-keepalive"
+        return "connection"
+    if isinstance(exc, openai.APIStatusError):
+        return f"http-{exc.status_code}"
+    if isinstance(exc, openai.APIError):
+        return "in-stream-error"
+    if any(type(e).__module__.startswith(("httpx", "httpcore")) for e in _chain(exc)):
+        return "stream-broken"
+    return "other"
 
 
 async def _stream(client, model: str, job: Job, out: Outcome) -> None:
+    _current.set(out)
+    started = time.monotonic()
     extra_body = {"ignore_eos": True, "return_token_ids": True}
     if job.xargs is not None:
         extra_body["vllm_xargs"] = job.xargs
-    stream = await client.completions.create(
-        model=model, prompt=job.prompt, max_tokens=job.max_tokens, temperature=0.8, seed=job.index,
-        stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
+    request = dict(model=model, prompt=job.prompt, max_tokens=job.max_tokens, temperature=0.8,
+                   seed=job.index, stream=True, stream_options={"include_usage": True},
+                   extra_body=extra_body)
+    request.update(job.extra or {})
+    stream = await client.completions.create(**request)
     finish = usage = None
     chunks = 0
     try:
@@ -128,6 +237,8 @@ async def _stream(client, model: str, job: Job, out: Outcome) -> None:
                 usage = chunk.usage.completion_tokens
             for choice in chunk.choices:
                 out.tokens += len(getattr(choice, "token_ids", None) or [])
+                if out.tokens and out.first_token_s is None:
+                    out.first_token_s = time.monotonic() - started
                 finish = choice.finish_reason or finish
                 chunks += 1
             if job.action == CLOSE and chunks >= job.after and finish is None:
@@ -136,7 +247,7 @@ async def _stream(client, model: str, job: Job, out: Outcome) -> None:
     finally:
         await stream.close()
     if finish != "length" or out.tokens != job.max_tokens or usage != job.max_tokens:
-        out.status = "failed"
+        out.status, out.failure_class = "failed", "wrong-output"
         out.error = (f"finish_reason={finish} tokens={out.tokens} usage={usage}, "
                      f"expected length/{job.max_tokens}")
     else:
@@ -166,22 +277,17 @@ async def run_job(client, model: str, job: Job) -> Outcome:
         else:
             await task
         if job.action == BAD:
-            out.status, out.error = "failed", "an invalid budget was accepted"
+            out.status, out.failure_class = "failed", "bad-accepted"
+            out.error = "an invalid request was accepted"
     except openai.BadRequestError as e:
+        # Raised by create(): the HTTP status of the response itself, before any stream.
         if job.action == BAD:
             out.status = "rejected"
         else:
-            out.status, out.error = "failed", f"400: {e}"
-    except openai.APIError as e:
-        # A streaming request's invalid value is found once the stream has begun (in the engine
-        # client's input processing): vLLM sends it as an SSE error event, code 400, HTTP 200.
-        body = e.body if isinstance(e.body, dict) else {}
-        if job.action == BAD and "h2o_interval" in str(e) and body.get("code") == 400:
-            out.status, out.error = "rejected", "400 as an SSE error event (HTTP 200)"
-        else:
-            out.status, out.error = "failed", f"{type(e).__name__}: {e}"
-    except Exception as e:  # noqa: BLE001 - every other error is a failure, recorded
+            out.status, out.failure_class, out.error = "failed", "http-400", f"400: {e}"
+    except Exception as e:  # noqa: BLE001 - every other error is a failure, recorded and classified
         out.status, out.error = "failed", f"{type(e).__name__}: {e}"
+        out.failure_class = classify(e, out)
     out.seconds = time.monotonic() - started
     return out
 
@@ -190,13 +296,12 @@ async def run(base_url: str, model: str, jobs: Iterable[Job], concurrency: int, 
               request_timeout_s: float = 300.0, progress=None) -> list[Outcome]:
     """Run ``jobs`` with at most ``concurrency`` in flight; jobs not started within
     ``duration_s`` are not run (in-flight ones finish). Returns one Outcome per started job."""
-    import httpx
     import openai
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # max_retries=0: a failure is counted and classified, never retried.
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
                                 timeout=request_timeout_s,
-                                http_client=httpx.AsyncClient(limits=limits, timeout=request_timeout_s))
+                                http_client=http_client(concurrency, request_timeout_s))
     deadline = time.monotonic() + duration_s
     pending = iter(jobs)
     outcomes: list[Outcome] = []
@@ -215,17 +320,31 @@ async def run(base_url: str, model: str, jobs: Iterable[Job], concurrency: int, 
     return sorted(outcomes, key=lambda o: o.index)
 
 
+def _percentiles(values: list[float]) -> dict:
+    if len(values) < 2:
+        return {"n": len(values)}
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"n": len(values), "p50": round(q[49], 3), "p95": round(q[94], 3), "p99": round(q[98], 3),
+            "max": round(max(values), 3)}
+
+
 def summarize(outcomes: list[Outcome]) -> dict:
     statuses = Counter(o.status for o in outcomes)
+    ok = [o for o in outcomes if o.status == "ok"]
     return {
         "requests": len(outcomes),
         "ok": statuses["ok"], "aborted": statuses["aborted"], "rejected": statuses["rejected"],
         "failed": statuses["failed"],
-        "rejected_in_stream": sum(o.status == "rejected" and "SSE" in o.error for o in outcomes),
+        "failure_rate": round(statuses["failed"] / len(outcomes), 6) if outcomes else None,
+        "failure_classes": dict(Counter(o.failure_class for o in outcomes if o.status == "failed")),
         "by_action": dict(Counter(o.action for o in outcomes)),
+        "connections": dict(Counter(o.connection or "unknown" for o in outcomes)),
         "tokens_streamed": sum(o.tokens for o in outcomes),
         "tokens_ok": sum(o.tokens for o in outcomes if o.status == "ok"),
         "prompt_tokens": sum(o.prompt_len for o in outcomes),
+        # Completed requests only; the engine queues requests the pool cannot hold yet.
+        "latency_s": _percentiles([o.seconds for o in ok]),
+        "first_token_s": _percentiles([o.first_token_s for o in ok if o.first_token_s is not None]),
         "failures": [asdict(o) for o in outcomes if o.status == "failed"][:20],
     }
 
@@ -247,18 +366,19 @@ def scrape(base_url: str) -> dict[str, float]:
     return values
 
 
-#: Gauges that are 0 when the engine holds nothing.
+#: Gauges that are 0 when the engine holds nothing (stock vLLM: the ``vllm:`` ones).
 IDLE_GAUGES = ("vllm:kv_cache_usage_perc", "h2o_vllm:live_kv_tokens", "vllm:num_requests_running",
                "vllm:num_requests_waiting")
+STOCK_IDLE_GAUGES = tuple(name for name in IDLE_GAUGES if name.startswith("vllm:"))
 
 
-def wait_idle(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """Poll ``/metrics`` until every IDLE_GAUGES entry is 0 (or the timeout); returns the last
+def wait_idle(base_url: str, timeout_s: float = 10.0, gauges=IDLE_GAUGES) -> dict[str, float]:
+    """Poll ``/metrics`` until every one of ``gauges`` is 0 (or the timeout); returns the last
     scrape. vLLM updates its gauges at each engine step, H2O's writers flush every 0.2 s."""
     deadline = time.monotonic() + timeout_s
     while True:
         values = scrape(base_url)
-        if all(values.get(name) == 0 for name in IDLE_GAUGES) or time.monotonic() > deadline:
+        if all(values.get(name) == 0 for name in gauges) or time.monotonic() > deadline:
             return values
         time.sleep(0.2)
 

@@ -1,9 +1,12 @@
-"""Soak against a real `h2o-vllm serve` (tiny Llama, H2O on, a KV pool far too small for the
-load, so requests queue): many concurrent streaming clients with mixed lengths and budgets and random disconnects.
-Afterwards every KV block is free again (read from the engine's own /metrics), no request
-failed, memory did not grow past a bound, and the server still answers. The long version is
-``benchmarks/soak.py``; the client logic both use is ``h2o_vllm.soak``."""
+"""Soak against a real `h2o-vllm serve` (tiny Llama, a KV pool far too small for the load, so
+requests queue): many concurrent streaming clients with mixed lengths and budgets and random
+disconnects, once with H2O on and once against stock vLLM (plugin not loaded, same requests
+without ``h2o_*`` keys). Afterwards every KV block is free again (read from the engine's own
+/metrics), no request failed (nothing is retried; a failure prints its class and what the
+client saw), memory did not grow past a bound, and the server still answers. The long version
+is ``benchmarks/soak.py``; the client logic both use is ``h2o_vllm.soak``."""
 import asyncio
+import os
 
 import pytest
 import requests
@@ -15,9 +18,22 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 64                 # 1024 KV slots for 16 clients of up to 320 + 128 tokens
 FLAGS = ["--kv-eviction", "h2o", "--block-size", str(BLOCK_SIZE),
          "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "512"]
-WARMUP = soak.SoakConfig(requests=64, concurrency=16, duration_s=40, seed=1)
-#: Two soak rounds of 200 requests (each stops launching at its time bound).
-ROUNDS = [soak.SoakConfig(requests=200, concurrency=16, duration_s=40, seed=seed) for seed in (2, 3)]
+#: Stock vLLM's CPU kernel takes block sizes in multiples of 32 only: the same 1024 KV slots.
+STOCK_FLAGS = ["--block-size", "32", "--num-gpu-blocks-override", str(NUM_BLOCKS // 2),
+               "--max-model-len", "512"]
+SIDES = ("h2o", "stock")
+
+
+def warmup(h2o: bool) -> soak.SoakConfig:
+    return soak.SoakConfig(requests=64, concurrency=16, duration_s=40, seed=1, h2o=h2o)
+
+
+def rounds(h2o: bool) -> list[soak.SoakConfig]:
+    """Two soak rounds of 200 requests (each stops launching at its time bound)."""
+    return [soak.SoakConfig(requests=200, concurrency=16, duration_s=40, seed=seed, h2o=h2o)
+            for seed in (2, 3)]
+
+
 #: Resident memory of the server group (API server, engine core, worker) may grow this much from
 #: the end of the warm-up to the end. The CPU worker's RSS grows while new batch shapes arrive
 #: and levels off; stock vLLM 0.32 without the plugin does the same (6 x 150 requests of this
@@ -26,9 +42,14 @@ ROUNDS = [soak.SoakConfig(requests=200, concurrency=16, duration_s=40, seed=seed
 RSS_GROWTH_BOUND = 320 * 2**20
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    server = Server(tiny_llama_dir, FLAGS)
+@pytest.fixture(scope="module", params=SIDES)
+def server(request, tiny_llama_dir, monkeypatch_module):
+    h2o = request.param == "h2o"
+    if not h2o:     # stock vLLM: no process of this server loads the plugin
+        monkeypatch_module.setenv("VLLM_PLUGINS", soak.STOCK_PLUGINS)
+    server = Server(tiny_llama_dir, FLAGS if h2o else STOCK_FLAGS)
+    monkeypatch_module.delenv("VLLM_PLUGINS", raising=False)
+    server.h2o = h2o
     try:
         server.wait_ready()
         server.model = server.client().models.list().data[0].id
@@ -37,17 +58,25 @@ def server(tiny_llama_dir):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
 def _assert_idle(server) -> dict:
-    values = soak.wait_idle(server.url, timeout_s=10)
-    idle = {name: values.get(name) for name in soak.IDLE_GAUGES}
+    gauges = soak.IDLE_GAUGES if server.h2o else soak.STOCK_IDLE_GAUGES
+    values = soak.wait_idle(server.url, timeout_s=10, gauges=gauges)
+    idle = {name: values.get(name) for name in gauges}
     assert all(v == 0 for v in idle.values()), (idle, server.tail())
     return values
 
 
 def _one_request(server, max_tokens=24):
+    xargs = {"h2o_heavy_tokens": 8, "h2o_recent_tokens": 8} if server.h2o else None
     reply = server.client().completions.create(
         model=server.model, prompt=list(range(40, 140)), max_tokens=max_tokens, temperature=0.0,
-        extra_body={"ignore_eos": True, "vllm_xargs": {"h2o_heavy_tokens": 8, "h2o_recent_tokens": 8}})
+        extra_body={"ignore_eos": True, "vllm_xargs": xargs})
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == max_tokens
 
@@ -82,17 +111,17 @@ def test_soak_frees_every_block_fails_nothing_and_does_not_grow(server):
         assert summary["failed"] == 0, "\n".join(map(str, summary["failures"]))
         return summary
 
-    round_(WARMUP)
+    round_(warmup(server.h2o))
     start = _assert_idle(server)
     rss = [soak.group_rss(pgid)]
     summaries = []
-    for cfg in ROUNDS:
+    for cfg in rounds(server.h2o):
         summaries.append(round_(cfg))
         end = _assert_idle(server)
         rss.append(soak.group_rss(pgid))
     summary = {key: sum(s[key] for s in summaries) for key in ("requests", "ok", "aborted", "rejected",
                                                                "failed", "tokens_ok")}
-    print(f"soak: {summary}; rss MiB {[round(r / 2**20) for r in rss]}; preemptions "
+    print(f"soak ({'h2o' if server.h2o else 'stock'}): {summary}; rss MiB {[round(r / 2**20) for r in rss]}; preemptions "
           f"{end['vllm:num_preemptions_total'] - start['vllm:num_preemptions_total']:.0f}")
 
     # Bounded in count and time; every kind of client ran and behaved as it should.
@@ -103,7 +132,10 @@ def test_soak_frees_every_block_fails_nothing_and_does_not_grow(server):
     # for the running sequences' known peaks, so the pool being too small makes requests wait
     # rather than be recomputed (tests/engine/test_blocks.py forces preemption instead).
     for name in ("h2o_vllm:evicted_tokens_total", "h2o_vllm:freed_blocks_total"):
-        assert end[name] > start[name], (name, start[name], end[name])
+        if server.h2o:
+            assert end[name] > start[name], (name, start[name], end[name])
+        else:
+            assert name not in end, f"{name} served: the stock server loaded the plugin"
     # Every completed request's tokens reached the engine's own count.
     generated = end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"]
     assert generated >= summary["tokens_ok"]
