@@ -70,7 +70,8 @@ if [ $MODE = bundle ]; then
   if "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
     export PYTHONPATH="$PYTHONPATH:$SITE"
     # Every module the GPU steps load, imported before any GPU call: names what is missing.
-    step imports "$PY" -m gpu_bundle.imports
+    IMPORT_ARGS=(); [ $DRY_RUN = 0 ] && IMPORT_ARGS=(--expect-cuda)
+    step imports "$PY" -m gpu_bundle.imports "${IMPORT_ARGS[@]}"
   else  # a dry run elsewhere: the cp312 wheels installed but cannot load in this Python
     echo "== $PY is not Python 3.12: the bundle is installed but not put on PYTHONPATH"
   fi
@@ -110,11 +111,11 @@ gpu_step kernels env TRITON_INTERPRET=0 "${PYTEST[@]}" tests/unit/test_kernels.p
 gpu_step step_timing "$PY" benchmarks/cuda_step_timing.py --out "$OUT/cuda_step_timing.json"
 # 3. Engines: H2O vs the dense oracle over the budget matrix, H2O off == stock Triton
 #    attention, blocks drain.
-gpu_step engine "${ENGINE_PYTEST[@]}" -m gpu tests/engine/test_cuda.py \
+gpu_step engine "${ENGINE_PYTEST[@]}" tests/engine/test_cuda.py \
   --junitxml="$OUT/engine.xml"
 # 4. >= 100 concurrent requests, mixed lengths and budgets: 0 failures, pool idle after.
 gpu_step load "$PY" -m gpu_bundle.load --model "$MODELS/tiny-llama" --out "$OUT/load.json" \
-  --gpu-memory-utilization 0.3 "${LOAD_ARGS[@]}"
+  --gpu-memory-utilization 0.3 --num-blocks 8192 "${LOAD_ARGS[@]}"
 # 5. Throughput at the same KV pool: stock vLLM on Triton attention vs H2O 20%.
 gpu_step throughput_stock "${BENCH[@]}" --attention-backend TRITON_ATTN \
   --output-json "$OUT/throughput-stock.json"

@@ -23,7 +23,7 @@ MODULES = (
 )
 
 
-def main(modules=MODULES) -> int:
+def main(modules=MODULES, expect_cuda: bool = False) -> int:
     failed = 0
     for name in modules:
         try:
@@ -38,8 +38,16 @@ def main(modules=MODULES) -> int:
     if ops:
         failed += 1
         print(f"FAIL torch.ops._C lacks {ops}: the stand-in did not register")
+    # vLLM picks its platform through NVML (no CUDA context); a GPU machine must say CUDA.
+    from vllm.platforms import current_platform
+    print(f"platform: {type(current_platform).__name__}")
+    if expect_cuda and not current_platform.is_cuda():
+        failed += 1
+        print("FAIL vLLM did not detect the CUDA platform (NVML?)")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or MODULES))
+    args = sys.argv[1:]
+    expect = "--expect-cuda" in args
+    sys.exit(main([a for a in args if a != "--expect-cuda"] or MODULES, expect_cuda=expect))

@@ -40,6 +40,8 @@ def run(a: argparse.Namespace) -> dict:
                   additional_config={"h2o": {"heavy_ratio": 0.1, "recent_ratio": 0.1}})
     if a.gpu_memory_utilization:
         kwargs["gpu_memory_utilization"] = a.gpu_memory_utilization
+    if a.num_blocks:
+        kwargs["num_gpu_blocks_override"] = a.num_blocks
     if a.bundle_settings:
         from gpu_bundle import settings
         kwargs = settings.apply(kwargs)
@@ -104,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool in blocks (num_gpu_blocks_override); enough for every request "
+                        "at once keeps memory out of the way of concurrency")
     p.add_argument("--bundle-settings", action="store_true", help="impose gpu_bundle.settings")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
