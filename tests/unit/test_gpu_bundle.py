@@ -148,3 +148,23 @@ def test_built_bundle_is_intact_within_the_limit_and_pure():
     assert not [n for n, data in entries.items() if wheels.is_compiled(n, data)]
     for member, path in build.STANDINS.items():
         assert entries[member] == path.read_bytes()
+
+
+def test_report_collects_steps_tests_load_and_the_throughput_ratio(tmp_path):
+    from gpu_bundle import report
+    (tmp_path / "steps.txt").write_text("kernels 0 21 40\nengine 1 100 120\nthroughput_h2o 124 120 120\n")
+    (tmp_path / "engine.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
+        '<testcase classname="t" name="a"/><testcase classname="t" name="b"><failure/></testcase>'
+        '<testcase classname="t" name="c"/></testsuite></testsuites>')
+    (tmp_path / "load.json").write_text(json.dumps({"ok": True, "peak_running": 120}))
+    for name, tps in (("stock", 100.0), ("h2o", 250.0)):
+        (tmp_path / f"throughput-{name}.json").write_text(
+            json.dumps({"tokens_per_second": tps, "requests_per_second": tps / 10}))
+    report.main([str(tmp_path), str(tmp_path / "steps.txt")])
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["exit"], s["timed_out"]) for s in doc["steps"]] == [
+        ("kernels", 0, False), ("engine", 1, False), ("throughput_h2o", 124, True)]
+    assert doc["tests"]["engine"]["failed_tests"] == ["t::b"]
+    assert doc["load"]["peak_running"] == 120
+    assert doc["throughput"]["ratio_tokens_per_s"] == pytest.approx(2.5)
