@@ -50,8 +50,8 @@ step() {  # step NAME COMMAND...: run under its cap, log to $OUT/NAME.log, recor
   cap=${!cap_var:-${STEP_CAPS[$name]:-60}}
   left=$(( BUDGET_S - SECONDS - 5 ))
   (( left < cap )) && cap=$left
-  if (( cap < 10 )); then  # out of time: recorded as timed out, not started
-    echo "== $name: not started, ${left}s left of the ${BUDGET_S}s budget" | tee "$OUT/$name.log"
+  if (( cap < 10 )); then  # out of time (or capped off): recorded as timed out, not started
+    echo "== $name: not started: cap ${cap}s, ${left}s left of the ${BUDGET_S}s budget" | tee "$OUT/$name.log"
     echo "$name 124 0 0" >> "$STEPS_FILE"
     return
   fi
