@@ -36,27 +36,16 @@ def _platform_is_cuda() -> bool:
 
 
 def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
-    """Before vLLM builds its config (``EngineArgs`` fields; the environment for the runner)."""
-    if not (_platform_is_cuda() if is_cuda is None else is_cuda):
+    """Before vLLM builds its config (``EngineArgs`` fields; the environment for the runner).
+    The backend choice also applies to the CUDA path run on the CPU (``H2O_VLLM_TRITON_ON_CPU``)."""
+    from h2o_vllm.vllm_hooks import triton_on_cpu
+    is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
+    if is_cuda or triton_on_cpu.enabled():
+        _choose_backend(args)
+    if not is_cuda:
         return
     from vllm.config import CompilationConfig
-    from vllm.config.attention import AttentionConfig
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    # "auto" and None both leave the choice to vLLM; names are parsed as vLLM parses them.
-    backend = AttentionConfig.validate_backend_before(args.attention_backend)
-    if backend is None:
-        backend = getattr(args.attention_config, "backend", None)
-    if backend is None:
-        logger.warning("h2o: using the H2O attention backend on CUDA (vLLM's Triton attention "
-                       "with H2O eviction), as --attention-backend CUSTOM would")
-        args.attention_backend = AttentionBackendEnum.CUSTOM
-    elif backend != AttentionBackendEnum.CUSTOM:
-        raise ValueError(
-            f"--attention-backend {getattr(backend, 'name', backend)} cannot be combined with H2O "
-            "KV eviction on CUDA: H2O runs on its own backend (vLLM's Triton attention with "
-            f"H2O's scores and compaction). Pass --attention-backend CUSTOM or drop the flag, {_OFF}")
 
     v2 = os.environ.get(V2_ENV)
     if v2 is not None and v2.strip().lower() in ("1", "true"):
@@ -82,6 +71,25 @@ def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
         logger.warning("h2o: CUDA graphs are piecewise (cudagraph_mode=PIECEWISE): attention "
                        "runs outside the graphs because H2O's step plan changes every step")
         args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def _choose_backend(args: Any) -> None:
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    # "auto" and None both leave the choice to vLLM; names are parsed as vLLM parses them.
+    backend = AttentionConfig.validate_backend_before(args.attention_backend)
+    if backend is None:
+        backend = getattr(args.attention_config, "backend", None)
+    if backend is None:
+        logger.warning("h2o: using the H2O attention backend on CUDA (vLLM's Triton attention "
+                       "with H2O eviction), as --attention-backend CUSTOM would")
+        args.attention_backend = AttentionBackendEnum.CUSTOM
+    elif backend != AttentionBackendEnum.CUSTOM:
+        raise ValueError(
+            f"--attention-backend {getattr(backend, 'name', backend)} cannot be combined with H2O "
+            "KV eviction on CUDA: H2O runs on its own backend (vLLM's Triton attention with "
+            f"H2O's scores and compaction). Pass --attention-backend CUSTOM or drop the flag, {_OFF}")
 
 
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:

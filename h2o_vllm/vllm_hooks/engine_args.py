@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from h2o_vllm.vllm_hooks import _MARK, _require, _wrap, logger
+from h2o_vllm.vllm_hooks.seam import _MARK, _require, _wrap, logger
 
 
 def install_engine_args_hook() -> None:
@@ -18,6 +18,8 @@ def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
         from h2o_vllm import conflicts
         from h2o_vllm.config import config_from_additional
+        from h2o_vllm.vllm_hooks import triton_on_cpu
+        triton_on_cpu.install()  # this process's plugin may have loaded before the switch was set
         h2o = config_from_additional(self.additional_config)
         if h2o is not None:
             conflicts.check_engine_args(self, h2o)
@@ -30,7 +32,7 @@ def _create_engine_config_wrapper(original):
                                "(compaction rewrites blocks that prefix caching would share)")
                 self.enable_prefix_caching = False
             from h2o_vllm import cuda_config
-            cuda_config.adjust_engine_args(self)  # CUDA only: backend, V1 runner, async, graphs
+            cuda_config.adjust_engine_args(self)  # CUDA path: backend; CUDA only: runner, async, graphs
         vllm_config = original(self, *args, **kwargs)
         if h2o is not None:
             conflicts.check_vllm_config(vllm_config, h2o)  # the model's attention, max_model_len

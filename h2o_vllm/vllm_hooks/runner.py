@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.vllm_hooks import _h2o_of, _wrap, logger
+from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap, logger
 
 
 def install_runner_hook() -> None:

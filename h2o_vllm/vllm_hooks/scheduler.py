@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from h2o_vllm.vllm_hooks import _h2o_of, _wrap
+from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap
 
 
 def install_scheduler_hook() -> None:

@@ -13,6 +13,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, CPUAttentionMetadataBuilder
 
 from h2o_vllm.config import config_from_additional
+from h2o_vllm.worker import announce_backend
 from h2o_vllm.worker import plan as step_plan
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.scores import DecodeIndex, decode_index
@@ -38,6 +39,9 @@ class H2OCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.h2o is not None and self.isa not in _READABLE_ISAS:
             self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
             self._set_isa_to_layers(layer_names)
+        if self.h2o is not None:
+            announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention, ISA {self.isa}, "
+                             "with H2O's torch scores and compaction")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> H2OCPUAttentionMetadata:

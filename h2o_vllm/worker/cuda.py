@@ -22,6 +22,7 @@ from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, Trit
 
 from h2o_vllm import metrics
 from h2o_vllm.config import config_from_additional
+from h2o_vllm.worker import announce_backend
 from h2o_vllm.worker import plan as step_plan
 from h2o_vllm.worker.cuda_step import (CudaStep, kv_slot_mapping, make_cuda_step,
                                        update_scores_and_compact)
@@ -56,6 +57,10 @@ class H2OTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.h2o = config_from_additional(vllm_config.additional_config)
+        if self.h2o is not None:
+            how = "interpreted on the CPU" if torch.device(device).type == "cpu" else "compiled"
+            announce_backend("H2OTritonAttentionBackend", f"vLLM's Triton attention with H2O's "
+                             f"Triton score and compaction kernels, {how}")
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:

@@ -7,7 +7,7 @@ import logging
 import pytest
 from vllm.utils.math_utils import cdiv
 
-from engines import greedy, random_prompts, scheduler_of, vllm_engine
+from engines import check_block_lists, greedy, random_prompts, run_steps, scheduler_of, vllm_engine
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after, peak_kv_len
 
@@ -19,28 +19,6 @@ LONG_PROMPT, LONG_OUTPUT, NUM_LONG, POOL = 64, 192, 24, 65
 
 def _manager(scheduler):
     return scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-
-
-def _model_runner(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
-
-
-def _run(llm, prompts, params, on_step=None, abort_after=None):
-    """Drive the engine step by step; returns {request_id: output token ids}."""
-    engine = llm.llm_engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params[i] if isinstance(params, list) else params)
-    outputs, step = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
-        step += 1
-        if on_step is not None:
-            on_step()
-        if abort_after is not None and step == abort_after[0]:
-            engine.abort_request(abort_after[1])
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +48,7 @@ def _drive_counting(llm, num_requests, extra_args=None):
     scheduler._preempt_request = counting_preempt
     try:
         prompts = random_prompts([LONG_PROMPT] * num_requests, seed=1)
-        outputs = _run(llm, prompts, greedy(LONG_OUTPUT, extra_args=extra_args),
+        outputs = run_steps(llm, prompts, greedy(LONG_OUTPUT, extra_args=extra_args),
                        on_step=lambda: running.append(len(scheduler.running)))
     finally:
         del scheduler._preempt_request
@@ -116,7 +94,7 @@ def test_budget_above_every_length_admits_like_stock(h2o_llm, stock_llm):
 
 
 def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
-    scheduler, runner = scheduler_of(h2o_llm), _model_runner(h2o_llm)
+    scheduler = scheduler_of(h2o_llm)
     manager = _manager(scheduler)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     budgets = [{}, {"h2o_interval": 1}, {"h2o_heavy_tokens": 5, "h2o_recent_tokens": 3}]
@@ -125,21 +103,9 @@ def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
     checked = []
 
     def check():
-        for request in scheduler.running:
-            rid = request.request_id
-            # No explicit remove_skipped_blocks: the update_from_output hook has already freed
-            # the tail blocks this step's compaction emptied.
-            config = H2OConfig.from_dict(H2O).with_overrides(
-                {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items()})
-            kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, config, BLOCK)
-            held = [b.block_id for b in manager.req_to_blocks[rid]]
-            assert len(held) == cdiv(kv_len, BLOCK)
-            assert held == runner.requests[rid].block_ids[0]
-            row = runner.input_batch.req_id_to_index[rid]
-            assert runner.input_batch.block_table[0].num_blocks_per_row[row] == len(held)
-            checked.append(request.num_computed_tokens - kv_len)
+        checked.extend(check_block_lists(h2o_llm, H2O, BLOCK))
 
-    outputs = _run(h2o_llm, prompts, params, on_step=check)
+    outputs = run_steps(h2o_llm, prompts, params, on_step=check)
     assert all(len(o) == 60 for o in outputs.values())
     assert max(checked) > 0, "no request ever evicted: the check proved nothing"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
@@ -158,7 +124,7 @@ def test_preemption_completes_every_request_without_leaking(h2o_llm, monkeypatch
     # A budget that keeps whole prompts and compacts rarely: the pool overflows.
     budget = {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}
     prompts = random_prompts([150] * 8, seed=3)
-    outputs = _run(h2o_llm, prompts, greedy(100, extra_args=budget),
+    outputs = run_steps(h2o_llm, prompts, greedy(100, extra_args=budget),
                    on_step=lambda: preempted.extend(r.request_id for r in scheduler.running
                                                     if r.num_preemptions))
     assert preempted, "the pool was large enough: no preemption happened"
@@ -170,7 +136,7 @@ def test_aborted_requests_return_their_blocks(h2o_llm):
     scheduler = scheduler_of(h2o_llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     prompts = random_prompts([40, 90, 130, 60], seed=4)
-    outputs = _run(h2o_llm, prompts, greedy(80, extra_args={"h2o_interval": 1}),
+    outputs = run_steps(h2o_llm, prompts, greedy(80, extra_args={"h2o_interval": 1}),
                    abort_after=(20, ["1", "3"]))
     assert sorted(outputs) == ["0", "2"]
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
@@ -179,7 +145,7 @@ def test_aborted_requests_return_their_blocks(h2o_llm):
 
 def test_compaction_is_logged_at_debug_level(h2o_llm, caplog):
     with caplog.at_level(logging.DEBUG, logger="h2o_vllm"):
-        _run(h2o_llm, random_prompts([50], seed=5), greedy(40))
+        run_steps(h2o_llm, random_prompts([50], seed=5), greedy(40))
     messages = [r.getMessage() for r in caplog.records]
     assert any("compacted from" in m for m in messages)   # worker: evicted tokens
     assert any("freed" in m and "blocks" in m for m in messages)  # scheduler: freed blocks

