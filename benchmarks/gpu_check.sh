@@ -38,7 +38,7 @@ STEPS_FILE=$OUT/steps.txt; : > "$STEPS_FILE"
 NUM_PROMPTS=${NUM_PROMPTS:-48} IN_LEN=${IN_LEN:-512} OUT_LEN=${OUT_LEN:-1024}
 BLOCKS=${BLOCKS:-$(( 16 * (IN_LEN + OUT_LEN) / 16 ))}
 # One call must end within 9 minutes (BUDGET_S): every step gets its cap, cut to what is left.
-# The caps add up to 540 s; setup usually takes ~40 s of its 180, leaving the GPU steps ~8 min.
+# The GPU steps' caps add up to 480 s; setup took ~40 s in the rehearsal (its caps: 180 s).
 BUDGET_S=${BUDGET_S:-540}
 declare -A STEP_CAPS=([bundle_verify]=30 [bundle_install]=60 [imports]=45 [models]=45
                       [kernels]=40 [step_timing]=25 [engine]=120 [load]=55
