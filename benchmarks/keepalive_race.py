@@ -49,12 +49,13 @@ async def probe(url: str, model: str, idle: float, deadline: float, expiry: floa
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=expiry)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120,
                                 http_client=httpx.AsyncClient(limits=limits, timeout=120,
-                                                              event_hooks={"request": [soak.trace_connections]}))
+                                                              event_hooks={"request": [soak.trace_connections],
+                                                                           "response": [soak.note_connection]}))
     job = soak.Job(0, list(range(40, 48)), 2, None, soak.FULL)
     try:
         while time.monotonic() < deadline:
             out = await soak.run_job(client, model, job)
-            results.append({"idle": idle, "status": out.status, "connection": out.connection,
+            results.append({"idle": idle, "status": out.status, "connection": out.connection, "idle_s": out.idle_s,
                             "failure_class": out.failure_class, "phase": out.phase, "cause": out.cause,
                             "seconds": round(out.seconds, 3)})
             await asyncio.sleep(idle)

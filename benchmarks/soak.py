@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sides", default="h2o,stock",
                    help="which servers to soak, one after the other: h2o, stock or both (default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-keepalive", type=float, default=None, metavar="SECONDS",
+                   help="pool idle connections for reuse with this httpx keepalive_expiry (default: "
+                        "none pooled, each request its own connection; see h2o_vllm.soak.KEEPALIVE_EXPIRY_S)")
     p.add_argument("--rss-bound-mib", type=float, default=512.0,
                    help="rss_ok: growth from the end of the warm-up to the end <= this. The CPU worker's "
                         "RSS grows as new batch shapes arrive and levels off (stock vLLM too)")
@@ -133,7 +136,8 @@ def idle_snapshot(url: str, pgid: int, gauges) -> dict:
 
 
 def _delta(end: dict, start: dict, name: str):
-    return None if end.get(name) is None or start.get(name) is None else end[name] - start[name]
+    """A counter's growth over the soak (an int: Prometheus serves counters as floats)."""
+    return None if end.get(name) is None or start.get(name) is None else round(end[name] - start[name])
 
 
 def run_side(args, side: str, model: str, out: Path) -> dict:
@@ -160,7 +164,8 @@ def run_side(args, side: str, model: str, out: Path) -> dict:
         main_cfg = soak.SoakConfig(requests=args.requests, concurrency=args.concurrency,
                                    duration_s=args.minutes * 60, seed=args.seed, **common)
         warm_summary = soak.summarize(asyncio.run(soak.run(url, served, soak.plan(warm), warm.concurrency,
-                                                           warm.duration_s, warm.request_timeout_s)))
+                                                           warm.duration_s, warm.request_timeout_s,
+                                                           keepalive_expiry_s=args.client_keepalive)))
         start = idle_snapshot(url, proc.pid, gauges)
         print(f"[{side}] warm-up: {warm_summary['requests']} requests, {warm_summary['failed']} failed, "
               f"idle={start['idle']}, rss {start['rss_bytes'] / 2**20:.0f} MiB", flush=True)
@@ -178,7 +183,8 @@ def run_side(args, side: str, model: str, out: Path) -> dict:
 
         soak_started = time.monotonic()
         outcomes = asyncio.run(soak.run(url, served, soak.plan(main_cfg), main_cfg.concurrency,
-                                        main_cfg.duration_s, main_cfg.request_timeout_s, progress))
+                                        main_cfg.duration_s, main_cfg.request_timeout_s, progress,
+                                        keepalive_expiry_s=args.client_keepalive))
         soak_s = time.monotonic() - soak_started
         end = idle_snapshot(url, proc.pid, gauges)
         stop.set()
@@ -272,7 +278,8 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "model": model if args.model else "tiny-llama (h2o_vllm.models.build_tiny_llama)",
         "args": vars(args),
-        "keepalive": {"client_expiry_s": soak.KEEPALIVE_EXPIRY_S,
+        "keepalive": {"client_expiry_s": args.client_keepalive,
+                      "client_pools_idle_connections": args.client_keepalive is not None,
                       "server_timeout_s": int(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))},
         "sides": results,
         "passed": all(r["passed"] for r in results.values()),

@@ -58,14 +58,17 @@ STOCK_BAD = {"temperature": -1.0}
 #: of that server loads h2o-vllm (as tests/engine/engines.py does for stock engines).
 STOCK_PLUGINS = "lora_filesystem_resolver"
 
-#: The client's keep-alive expiry (seconds), well under the server's (vLLM:
-#: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, default 5 s). With both at 5 s (httpx's and the openai
-#: client's default) a connection can be picked from the pool just as uvicorn closes it: the
-#: request then dies before any response ("Server disconnected without sending a response",
-#: ``APIConnectionError``), and nothing reaches the server's log. The server starts its timer
-#: when it has sent the last byte, the client when it has read it, so the margin must also
-#: cover how late a busy client reads (see benchmarks/keepalive_race.py).
-KEEPALIVE_EXPIRY_S = 1.0
+#: The clients' keep-alive: None, no connection is kept for reuse (each request opens its own;
+#: the default), or seconds of httpx ``keepalive_expiry``. Reusing idle connections made two
+#: client-side races that kill a request with ``APIConnectionError: Connection error.``:
+#: - the server (vLLM's uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) closes a connection the
+#:   client still takes for alive (httpx's expiry is 5 s too; the server's clock starts when it
+#:   wrote the last byte, the client's when a busy client has read it): ``stale-keepalive``;
+#: - httpcore 1.0.9's pool closes an idle connection it has already handed to a request that has
+#:   not started on it yet, and then closes it under that request (encode/httpcore#1110, open):
+#:   ``pool-closed``. The shorter the expiry, the more often.
+#: Neither can happen without pooled idle connections. See benchmarks/keepalive_race.py.
+KEEPALIVE_EXPIRY_S: float | None = None
 
 #: What a client does with its request.
 FULL, CLOSE, CANCEL, BAD = "full", "close", "cancel", "bad"
@@ -96,6 +99,7 @@ class Outcome:
     first_token_s: float | None = None  # time to the first streamed token
     failure_class: str = ""  # see classify()
     connection: str = ""    # "new" or "reused" keep-alive connection (httpcore trace); "" unknown
+    idle_s: float | None = None  # reused and answered: how long its connection sat idle before
     phase: str = ""         # last transport event the request reached (httpcore trace)
     cause: str = ""         # the exception chain, outermost first
 
@@ -153,9 +157,15 @@ def plan(cfg: SoakConfig) -> Iterator[Job]:
 _current: contextvars.ContextVar[Outcome | None] = contextvars.ContextVar("soak_outcome", default=None)
 
 
+#: Connections back in the pool after a response read to its end: id -> (stream, when). At most
+#: one entry per pooled connection (taken out again when the connection is reused).
+_released: dict[int, tuple[object, float]] = {}
+
+
 async def trace_connections(request) -> None:
-    """httpx request hook (async: httpx awaits them): records on the current Outcome whether httpcore opened a new
-    connection for the request or reused a kept-alive one, and the last transport phase."""
+    """httpx request hook (async: httpx awaits them): records on the current Outcome whether
+    httpcore opened a new connection for the request or reused a kept-alive one, and the last
+    transport phase."""
     out = _current.get()
     if out is None:
         return
@@ -165,6 +175,7 @@ async def trace_connections(request) -> None:
             out.connection = "new"
         elif event.startswith("http11.send_request_headers.started") and not out.connection:
             out.connection = "reused"
+            out._sent_at = time.monotonic()
         # The furthest step reached: not the body reads (one per chunk) nor response_closed,
         # which httpcore also runs to clean up after a failed send.
         if not event.startswith(("http11.receive_response_body", "http11.response_closed")):
@@ -172,12 +183,33 @@ async def trace_connections(request) -> None:
     request.extensions["trace"] = trace
 
 
-def http_client(concurrency: int, timeout_s: float, keepalive_expiry_s: float = KEEPALIVE_EXPIRY_S):
+async def note_connection(response) -> None:
+    """httpx response hook: for a reused connection, how long it sat idle in the pool (client
+    clock; the server's clock started earlier, when it wrote the last byte)."""
+    out = _current.get()
+    stream = response.extensions.get("network_stream")
+    if out is None or stream is None:
+        return
+    out._stream = stream
+    previous = _released.pop(id(stream), None)
+    if out.connection == "reused" and previous is not None and previous[0] is stream:
+        out.idle_s = round(out._sent_at - previous[1], 3)
+
+
+def _release(out: Outcome) -> None:
+    stream = getattr(out, "_stream", None)
+    if stream is not None:
+        _released[id(stream)] = (stream, time.monotonic())
+
+
+def http_client(concurrency: int, timeout_s: float, keepalive_expiry_s: float | None = KEEPALIVE_EXPIRY_S):
+    """The soak's httpx client; ``keepalive_expiry_s`` None: nothing pooled for reuse."""
     import httpx
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4,
+    keep = 0 if keepalive_expiry_s is None else concurrency + 4
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=keep,
                           keepalive_expiry=keepalive_expiry_s)
     return httpx.AsyncClient(limits=limits, timeout=timeout_s,
-                             event_hooks={"request": [trace_connections]})
+                             event_hooks={"request": [trace_connections], "response": [note_connection]})
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -193,6 +225,8 @@ def classify(exc: BaseException, out: Outcome) -> str:
 
     - ``stale-keepalive``: a reused keep-alive connection closed by the server before it sent
       any response (the request never reached the server's handler: no log line, no tokens);
+    - ``pool-closed``: a reused connection closed by the client's own pool under the request
+      (anyio ``ClosedResourceError``: our side closed the socket; encode/httpcore#1110);
     - ``connection``: any other transport error before the response (connect refused, reset);
     - ``stream-broken``: the connection broke after the response had started;
     - ``timeout``; ``http-<status>``: an error status; ``in-stream-error``: an error event
@@ -208,6 +242,8 @@ def classify(exc: BaseException, out: Outcome) -> str:
                            or isinstance(e, (ConnectionResetError, BrokenPipeError)) for e in _chain(exc))
         if out.connection == "reused" and before_response and disconnected:
             return "stale-keepalive"
+        if any(type(e).__name__ == "ClosedResourceError" for e in _chain(exc)):
+            return "pool-closed"
         return "connection"
     if isinstance(exc, openai.APIStatusError):
         return f"http-{exc.status_code}"
@@ -246,6 +282,8 @@ async def _stream(client, model: str, job: Job, out: Outcome) -> None:
                 return
     finally:
         await stream.close()
+        if finish is not None:      # read to its end: the connection went back to the pool
+            _release(out)
     if finish != "length" or out.tokens != job.max_tokens or usage != job.max_tokens:
         out.status, out.failure_class = "failed", "wrong-output"
         out.error = (f"finish_reason={finish} tokens={out.tokens} usage={usage}, "
@@ -293,7 +331,8 @@ async def run_job(client, model: str, job: Job) -> Outcome:
 
 
 async def run(base_url: str, model: str, jobs: Iterable[Job], concurrency: int, duration_s: float,
-              request_timeout_s: float = 300.0, progress=None) -> list[Outcome]:
+              request_timeout_s: float = 300.0, progress=None,
+              keepalive_expiry_s: float | None = KEEPALIVE_EXPIRY_S) -> list[Outcome]:
     """Run ``jobs`` with at most ``concurrency`` in flight; jobs not started within
     ``duration_s`` are not run (in-flight ones finish). Returns one Outcome per started job."""
     import openai
@@ -301,7 +340,7 @@ async def run(base_url: str, model: str, jobs: Iterable[Job], concurrency: int, 
     # max_retries=0: a failure is counted and classified, never retried.
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
                                 timeout=request_timeout_s,
-                                http_client=http_client(concurrency, request_timeout_s))
+                                http_client=http_client(concurrency, request_timeout_s, keepalive_expiry_s))
     deadline = time.monotonic() + duration_s
     pending = iter(jobs)
     outcomes: list[Outcome] = []
@@ -339,6 +378,9 @@ def summarize(outcomes: list[Outcome]) -> dict:
         "failure_classes": dict(Counter(o.failure_class for o in outcomes if o.status == "failed")),
         "by_action": dict(Counter(o.action for o in outcomes)),
         "connections": dict(Counter(o.connection or "unknown" for o in outcomes)),
+        # Idle time of the reused connections that answered (the keep-alive race needs it near
+        # the server's timeout; the client's expiry bounds it).
+        "reused_idle_s": _percentiles([o.idle_s for o in outcomes if o.idle_s is not None]),
         "tokens_streamed": sum(o.tokens for o in outcomes),
         "tokens_ok": sum(o.tokens for o in outcomes if o.status == "ok"),
         "prompt_tokens": sum(o.prompt_len for o in outcomes),
