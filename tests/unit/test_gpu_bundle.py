@@ -168,3 +168,19 @@ def test_report_collects_steps_tests_load_and_the_throughput_ratio(tmp_path):
     assert doc["tests"]["engine"]["failed_tests"] == ["t::b"]
     assert doc["load"]["peak_running"] == 120
     assert doc["throughput"]["ratio_tokens_per_s"] == pytest.approx(2.5)
+
+
+def test_pytest_plugin_gives_every_llm_the_bundle_settings(monkeypatch):
+    import vllm
+
+    from gpu_bundle import pytest_bundle
+    seen = {}
+
+    def fake_init(self, model, **kwargs):  # stands in for the engine: records what it was given
+        seen.update(kwargs, model=model)
+
+    monkeypatch.setattr(vllm.LLM, "__init__", fake_init)
+    pytest_bundle.pytest_configure(None)
+    pytest_bundle.pytest_configure(None)  # idempotent: wraps once
+    vllm.LLM("m", enforce_eager=False, block_size=16)
+    assert seen == {"model": "m", **settings.apply({"enforce_eager": False, "block_size": 16})}
