@@ -50,7 +50,8 @@ runner (worker).
   Upstream: none needed while SamplingParams has no extension point for extra_args checks.
 - ``install_request_validation_hook`` also wraps ``OpenAIServingCompletion.create_completion``,
   ``OpenAIServingChat.create_chat_completion`` and ``OpenAIServingResponses.create_responses``
-  (vllm/entrypoints/openai/*/serving.py), in a top-level process 0 only (the API server).
+  (vllm/entrypoints/openai/*/serving.py), in API-server processes only (a top-level process 0,
+  or one named ``ApiServer_<i>``).
   Why: the input processor runs inside the engine client's ``generate``, which a streaming
   response iterates only after its HTTP 200 is sent, so a bad streaming request became an SSE
   error event. The wrapper checks ``vllm_xargs`` first; its ``VLLMValidationError`` reaches

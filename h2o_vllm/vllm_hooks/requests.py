@@ -19,11 +19,17 @@ from h2o_vllm.vllm_hooks import _wrap
 def install_request_validation_hook() -> None:
     """Refuse bad per-request H2O budgets before the request is queued (HTTP 400)."""
     _wrap("vllm.v1.engine.input_processor:InputProcessor._validate_params", _validate_params_wrapper)
-    # The serving modules cost ~0.7 s to import and only the API server uses them: not in the
-    # spawned engine core and workers. (Extra API servers of --api-server-count > 1 are spawned
-    # too: there the input-processor check above still refuses, inside the stream.)
-    if multiprocessing.parent_process() is None:
+    # The serving modules cost ~0.7 s to import and only API servers use them: not in the
+    # spawned engine core and workers.
+    if _is_api_server_process():
         install_serving_validation_hook()
+
+
+def _is_api_server_process() -> bool:
+    """A top-level process 0, or an API server vLLM spawned for ``--api-server-count > 1``
+    (``APIServerProcessManager`` names them ``ApiServer_<i>``)."""
+    return (multiprocessing.parent_process() is None
+            or multiprocessing.current_process().name.startswith("ApiServer_"))
 
 
 def install_serving_validation_hook() -> None:

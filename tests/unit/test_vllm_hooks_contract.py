@@ -288,6 +288,9 @@ def test_serving_hook_error_reaches_vllms_400_handler():
     assert "vllm_config" in _resolve("vllm.engine.protocol:EngineClient")[1].__annotations__
     route = inspect.getsource(_resolve("vllm.entrypoints.openai.completion.api_router:create_completion")[1])
     assert route.index("await handler.create_completion(") < route.index("StreamingResponse(")
+    # Spawned API servers (--api-server-count > 1) install the hook by this process name.
+    manager = inspect.getsource(_resolve("vllm.v1.utils:APIServerProcessManager")[1])
+    assert 'name=f"ApiServer_{i}"' in manager
 
 
 def test_dataclass_fields_the_hooks_read_or_rebuild():
