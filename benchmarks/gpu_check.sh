@@ -6,6 +6,7 @@
 #   benchmarks/gpu_check.sh             # writes benchmarks/results/<date>-<host>-gpu/
 #   benchmarks/gpu_check.sh --dry-run   # everything up to the first GPU call (runs on a CPU)
 #   PYTHON=python3 OUT_DIR=/tmp/x GPU_BUNDLE=.gpu-bundle benchmarks/gpu_check.sh
+#   ONLY=engine,load benchmarks/gpu_check.sh     # setup, then only these GPU steps
 #
 # vLLM: the environment's, if `import vllm` works; otherwise the offline bundle (make gpu-bundle,
 # benchmarks/gpu_bundle/README.md), installed with pip --no-index --no-deps into a temporary
@@ -96,6 +97,9 @@ step models "$PY" -m gpu_bundle.check_models --out "$MODELS" --tokenizer "$BUNDL
 # -- the GPU steps ----------------------------------------------------------------------------
 gpu_step() {  # gpu_step NAME COMMAND...: a step; in a dry run only logged, not started
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    return  # ONLY=engine,load: a rerun of some GPU steps in what is left of a lease
+  fi
   if [ $DRY_RUN = 1 ]; then
     echo "== $name (dry run, not started): $(printf '%q ' "$@")" | tee "$OUT/$name.log"
   else
