@@ -41,7 +41,7 @@ def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
     from h2o_vllm.vllm_hooks import triton_on_cpu
     is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
     if is_cuda or triton_on_cpu.enabled():
-        _choose_backend(args)
+        _choose_backend(args, "on CUDA" if is_cuda else f"with {triton_on_cpu.SWITCH}=1")
     if not is_cuda:
         return
     from vllm.config import CompilationConfig
@@ -73,7 +73,7 @@ def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
         args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
-def _choose_backend(args: Any) -> None:
+def _choose_backend(args: Any, where: str) -> None:
     from vllm.config.attention import AttentionConfig
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -82,13 +82,13 @@ def _choose_backend(args: Any) -> None:
     if backend is None:
         backend = getattr(args.attention_config, "backend", None)
     if backend is None:
-        logger.warning("h2o: using the H2O attention backend on CUDA (vLLM's Triton attention "
-                       "with H2O eviction), as --attention-backend CUSTOM would")
+        logger.warning("h2o: using the H2O attention backend %s (vLLM's Triton attention with "
+                       "H2O eviction), as --attention-backend CUSTOM would", where)
         args.attention_backend = AttentionBackendEnum.CUSTOM
     elif backend != AttentionBackendEnum.CUSTOM:
         raise ValueError(
             f"--attention-backend {getattr(backend, 'name', backend)} cannot be combined with H2O "
-            "KV eviction on CUDA: H2O runs on its own backend (vLLM's Triton attention with "
+            f"KV eviction {where}: H2O runs on its own backend (vLLM's Triton attention with "
             f"H2O's scores and compaction). Pass --attention-backend CUSTOM or drop the flag, {_OFF}")
 
 

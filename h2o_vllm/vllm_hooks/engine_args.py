@@ -34,6 +34,7 @@ def _create_engine_config_wrapper(original):
             from h2o_vllm import cuda_config
             cuda_config.adjust_engine_args(self)  # CUDA path: backend; CUDA only: runner, async, graphs
         vllm_config = original(self, *args, **kwargs)
+        triton_on_cpu.check_vllm_config(vllm_config)
         if h2o is not None:
             conflicts.check_vllm_config(vllm_config, h2o)  # the model's attention, max_model_len
             cuda_config.check_vllm_config(vllm_config)

@@ -79,6 +79,17 @@ def install() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
 
 
+def check_vllm_config(vllm_config) -> None:
+    """With the switch on: refuse what the interpreter gets wrong, before the model loads."""
+    if not enabled():
+        return
+    import torch
+    if vllm_config.model_config.dtype == torch.bfloat16:
+        raise ValueError(f"{SWITCH}=1 runs the Triton kernels under Triton's interpreter, whose "
+                         "bfloat16 arithmetic is wrong: pass --dtype float32 (or float16), or "
+                         f"unset {SWITCH}")
+
+
 def _is_placeholder(module: ModuleType) -> bool:
     from vllm.triton_utils.importing import TritonPlaceholder
     return isinstance(getattr(module, "triton", None), TritonPlaceholder)

@@ -8,8 +8,8 @@ with every Triton kernel interpreted (``H2O_VLLM_TRITON_ON_CPU=1`` with ``TRITON
 set by the top conftest; docs/cuda.md says what that proves), on a smaller matrix: the
 interpreter costs ~1-2 s per engine step here.
 """
-import json
 import os
+import time
 
 import pytest
 import torch
@@ -28,10 +28,8 @@ if ON_GPU:
     PROMPT_LENGTHS = (1, 15, 16, 17, 33, 100, 300)
     BUDGET_NAMES = list(BUDGETS)
     # A fraction of the GPU: H2O's fp32 score buffers sit outside the KV memory vLLM budgets.
-    # H2O_TEST_GPU_LLM_KWARGS (JSON) adds settings a GPU environment needs (gpu_check.sh).
-    DEVICE = dict(gpu_memory_utilization=0.3, num_gpu_blocks_override=512,
-                  **json.loads(os.environ.get("H2O_TEST_GPU_LLM_KWARGS", "{}")))
-    ENGINES = {"piecewise-graphs": dict(enforce_eager=DEVICE.pop("enforce_eager", False)),
+    DEVICE = dict(gpu_memory_utilization=0.3, num_gpu_blocks_override=512)
+    ENGINES = {"piecewise-graphs": dict(enforce_eager=False),
                "eager-chunked": dict(in_process=True, enforce_eager=True, max_num_batched_tokens=64,
                                     max_num_seqs=8)}
     STOCK_TRITON = dict(plugins=False)
@@ -148,3 +146,18 @@ def test_cuda_h2o_matches_dense_oracle(h2o_outputs, hf_model, budget, stock_trit
     for length, got, want in zip(PROMPT_LENGTHS, h2o_outputs[budget], expected):
         assert got == want, f"prompt of {length} tokens diverges from the oracle"
     assert h2o_outputs[budget] != stock_triton_outputs  # the control: eviction changed something
+
+
+@pytest.mark.skipif(ON_GPU, reason="the switch is for a CPU-only vLLM")
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(dtype="bfloat16"), "--dtype float32"),
+    (dict(attention_backend="CPU_ATTN", additional_config={"h2o": {}}),
+     f"--attention-backend CPU_ATTN cannot be combined with H2O KV eviction with {SWITCH}=1"),
+])
+def test_switch_refuses_what_it_cannot_run_before_loading(tiny_llama_dir, kwargs, words):
+    start = time.monotonic()
+    with pytest.raises(ValueError) as error:
+        with _engine(tiny_llama_dir, **kwargs):
+            pass
+    assert words in str(error.value)
+    assert time.monotonic() - start < 30, "refused only after the model loaded"

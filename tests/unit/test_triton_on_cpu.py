@@ -8,6 +8,7 @@ on sit in test_vllm_hooks_contract.py.
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,6 +29,18 @@ def test_switch_is_refused_on_cuda_and_without_the_interpreter():
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
         triton_on_cpu.check_switch(is_cuda=False, interpret=False)
     triton_on_cpu.check_switch(is_cuda=False, interpret=True)
+
+
+def test_bfloat16_is_refused_under_the_switch(monkeypatch):
+    import torch
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16))
+    monkeypatch.delenv(triton_on_cpu.SWITCH, raising=False)
+    triton_on_cpu.check_vllm_config(config)
+    monkeypatch.setenv(triton_on_cpu.SWITCH, "1")
+    with pytest.raises(ValueError, match="--dtype float32"):
+        triton_on_cpu.check_vllm_config(config)
+    config.model_config.dtype = torch.float16
+    triton_on_cpu.check_vllm_config(config)
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
