@@ -239,13 +239,15 @@ TABLE = [
     ("soak time (s)", "soak_s"), ("output tok/s", "output_tok_per_s"),
     ("latency p50 / p95 / p99 (s), completed", lambda r: " / ".join(
         str(r["latency_s"].get(q, "-")) for q in ("p50", "p95", "p99"))),
-    ("first token p50 / p95 (s)", lambda r: " / ".join(str(r["first_token_s"].get(q, "-")) for q in ("p50", "p95"))),
+    ("first token p50 / p95 (s)", lambda r: " / ".join(
+        str(r["first_token_s"].get(q, "-")) for q in ("p50", "p95"))),
     ("preemptions", "preemptions"), ("H2O tokens evicted", "evicted_tokens"),
     ("H2O blocks freed", "freed_blocks"),
     ("idle at the end (KV usage, running, waiting 0)", "idle_at_end"),
     ("RSS after warm-up -> end (MiB)", lambda r: f"{r['rss_start_mib']} -> {r['rss_end_mib']}"),
-    ("RSS growth (MiB), of it in the 2nd half", lambda r: f"{r['rss_growth_mib']:+}, {r['rss_growth_second_half_mib']:+}"
-     if r["rss_growth_second_half_mib"] is not None else f"{r['rss_growth_mib']:+}"),
+    ("RSS growth (MiB), of it in the 2nd half", lambda r: (
+        f"{r['rss_growth_mib']:+}, {r['rss_growth_second_half_mib']:+}"
+        if r["rss_growth_second_half_mib"] is not None else f"{r['rss_growth_mib']:+}")),
     ("passed", "passed"),
 ]
 

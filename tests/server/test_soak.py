@@ -121,7 +121,8 @@ def test_soak_frees_every_block_fails_nothing_and_does_not_grow(server):
         rss.append(soak.group_rss(pgid))
     summary = {key: sum(s[key] for s in summaries) for key in ("requests", "ok", "aborted", "rejected",
                                                                "failed", "tokens_ok")}
-    print(f"soak ({'h2o' if server.h2o else 'stock'}): {summary}; rss MiB {[round(r / 2**20) for r in rss]}; preemptions "
+    side = "h2o" if server.h2o else "stock"
+    print(f"soak ({side}): {summary}; rss MiB {[round(r / 2**20) for r in rss]}; preemptions "
           f"{end['vllm:num_preemptions_total'] - start['vllm:num_preemptions_total']:.0f}")
 
     # Bounded in count and time; every kind of client ran and behaved as it should.
