@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import multiprocessing
 
-from h2o_vllm.vllm_hooks import _wrap
+from h2o_vllm.vllm_hooks.seam import _wrap
+
 
 def install_request_validation_hook() -> None:
     """Refuse bad per-request H2O budgets before the request is queued (HTTP 400)."""

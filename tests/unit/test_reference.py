@@ -86,7 +86,9 @@ def test_reference_matches_naive(model, prompts, budget, interval):
             for kv_head in range(NUM_KV_HEADS):
                 positions, scores = naive.kept(layer, kv_head)
                 assert cache.positions[kv_head].tolist() == positions, (len(prompt), layer, kv_head)
-                torch.testing.assert_close(cache.scores[kv_head], torch.tensor(scores), rtol=1e-4, atol=1e-5)
+                # The two sum the same fp32 probabilities in different orders: up to ~7e-5 apart
+                # under transformers 5.19 (kept positions and tokens are compared exactly above).
+                torch.testing.assert_close(cache.scores[kv_head], torch.tensor(scores), rtol=1e-3, atol=1e-4)
     assert compacted >= 2  # every budget evicts in at least two of the four sequences
 
 
