@@ -7,10 +7,11 @@ machine before installing anything from the bundle.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
+
+from gpu_bundle.wheels import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -27,14 +28,6 @@ PIP_TARGET = ["--python-version", "3.12", "--implementation", "cp",
                                 "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                                 "manylinux_2_5_x86_64", "manylinux1_x86_64")
                 for arg in ("--platform", tag)]]
-
-
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def bundle_files(root: str | Path) -> dict[str, dict]:
