@@ -7,7 +7,7 @@ import random
 import pytest
 
 # Any plugin name but ours: the spawned engine core and workers then run stock vLLM.
-STOCK_PLUGINS = "lora_filesystem_resolver"
+from h2o_vllm.soak import STOCK_PLUGINS
 
 
 @contextlib.contextmanager
