@@ -17,7 +17,7 @@ def register() -> None:
     from h2o_vllm import vllm_hooks
     vllm_hooks.check_vllm_version()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.backend.H2OCPUAttentionBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.cpu.backend.H2OCPUAttentionBackend")
     _register_cuda_backend()
     vllm_hooks.install_triton_on_cpu()  # H2O_VLLM_TRITON_ON_CPU=1 only: the CUDA path on the CPU
     vllm_hooks.register_kv_cache_spec()
@@ -33,7 +33,7 @@ def register() -> None:
 
 
 def _register_cuda_backend(is_cuda: bool | None = None) -> None:
-    """On CUDA, ``--attention-backend CUSTOM`` selects H2O's Triton backend (h2o_vllm.cuda_config
+    """On CUDA, ``--attention-backend CUSTOM`` selects H2O's Triton backend (h2o_vllm.frontend.cuda_config
     picks CUSTOM when H2O is on and no backend was named). Other platforms are left alone."""
     if is_cuda is None:
         from vllm.platforms import current_platform

@@ -1,7 +1,7 @@
 """Triton kernels for the CUDA path (worker process): score accumulation and row compaction.
 
 Each op comes in three: ``<op>_kernel`` (jit), the ``<op>`` launcher here, and a plain-torch twin
-of the same name in ``h2o_vllm.kernels.reference``. Launchers load lazily, so the reference (torch
+of the same name in ``h2o_vllm.kernels.twins``. Launchers load lazily, so the reference (torch
 only) imports without Triton; the launchers' shared argument checks live here. Set
 ``TRITON_INTERPRET=1`` before the first import of a kernel module to run the kernels on CPU.
 """

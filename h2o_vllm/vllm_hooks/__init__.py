@@ -31,14 +31,14 @@ runner (worker).
 - ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
   (vllm/engine/arg_utils.py), in the process that builds the engine config.
   Why: the H2O config must be validated, prefix caching (on by default) turned off, and
-  conflicting settings refused (``h2o_vllm.conflicts``) before any model weight loads.
+  conflicting settings refused (``h2o_vllm.frontend.conflicts``) before any model weight loads.
   Not an upstream candidate: it is plugin policy.
 - ``register_kv_cache_spec`` calls the private ``KVCacheSpecRegistry._ensure_registered``.
   Why: registering first would otherwise leave vLLM's built-in specs unregistered.
 - ``install_cli_flags_hook`` wraps ``EngineArgs.add_cli_args`` (vllm/engine/arg_utils.py) and
   the ``parse_known_args`` of each parser it fills.
   Why: vLLM has no plugin group for engine flags. The wrapper adds the "H2O KV eviction"
-  group (``h2o_vllm.flags``) to every engine parser (``vllm serve``, the API server,
+  group (``h2o_vllm.frontend.flags``) to every engine parser (``vllm serve``, the API server,
   ``vllm bench throughput``) and folds the flags into ``--additional-config`` right after
   parsing, so a bad flag is an argparse error (exit 2) before anything loads.
   Upstream: none (plugin-defined flags would need a vLLM plugin group). Remove when vLLM

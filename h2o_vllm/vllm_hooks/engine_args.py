@@ -16,7 +16,7 @@ def install_engine_args_hook() -> None:
 
 def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
-        from h2o_vllm import conflicts
+        from h2o_vllm.frontend import conflicts
         from h2o_vllm.config import config_from_additional
         from h2o_vllm.vllm_hooks import triton_on_cpu
         triton_on_cpu.install()  # this process's plugin may have loaded before the switch was set
@@ -31,7 +31,7 @@ def _create_engine_config_wrapper(original):
                 logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
                                "(compaction rewrites blocks that prefix caching would share)")
                 self.enable_prefix_caching = False
-            from h2o_vllm import cuda_config
+            from h2o_vllm.frontend import cuda_config
             cuda_config.adjust_engine_args(self)  # CUDA path: backend; CUDA only: runner, async, graphs
         vllm_config = original(self, *args, **kwargs)
         triton_on_cpu.check_vllm_config(vllm_config)
@@ -50,7 +50,7 @@ def install_cli_flags_hook() -> None:
 
     @functools.wraps(original)
     def add_cli_args(parser, *args, **kwargs):
-        from h2o_vllm import flags
+        from h2o_vllm.frontend import flags
         parser = original(parser, *args, **kwargs)
         flags.add_h2o_args(parser)
         _fold_after_parse(parser)
@@ -70,7 +70,7 @@ def _fold_after_parse(parser) -> None:
 
     @functools.wraps(original)
     def parse_known_args(args=None, namespace=None):
-        from h2o_vllm import flags
+        from h2o_vllm.frontend import flags
         namespace, rest = original(args, namespace)
         try:
             flags.fold_namespace(namespace)

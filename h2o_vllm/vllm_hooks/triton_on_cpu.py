@@ -35,7 +35,7 @@ from types import ModuleType
 from h2o_vllm.vllm_hooks.seam import _wrap
 
 SWITCH = "H2O_VLLM_TRITON_ON_CPU"
-CUDA_BACKEND = "h2o_vllm.worker.cuda.H2OTritonAttentionBackend"
+CUDA_BACKEND = "h2o_vllm.worker.cuda.backend.H2OTritonAttentionBackend"
 OP_MODULES = (
     "vllm.v1.attention.ops.triton_attention_helpers",  # first: unified_attention imports it
     "vllm.v1.attention.ops.triton_unified_attention",

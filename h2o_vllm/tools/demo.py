@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     # In-process engine core: the demo reads the scheduler's block pool directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from h2o_vllm.models import smollm2_dir
+    from h2o_vllm.tools.models import smollm2_dir
     model = str(smollm2_dir())
     prompts = [p.format(gpl=_gpl_excerpt()) for p in PROMPTS]
     h2o = {"heavy_ratio": args.heavy_ratio, "recent_ratio": args.recent_ratio}

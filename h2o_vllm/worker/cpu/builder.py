@@ -16,7 +16,7 @@ from h2o_vllm.config import config_from_additional
 from h2o_vllm.worker import announce_backend
 from h2o_vllm.worker import plan as step_plan
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
-from h2o_vllm.worker.scores import DecodeIndex, decode_index
+from h2o_vllm.worker.cpu.scores import DecodeIndex, decode_index
 
 # The impl reads K/V back in these layouts (verified in the CPU cache study); others, such as
 # AMX, pack K differently.

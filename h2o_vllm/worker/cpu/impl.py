@@ -10,10 +10,10 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
 from h2o_vllm import metrics
 from h2o_vllm.config import config_from_additional
-from h2o_vllm.worker.builder import H2OCPUAttentionMetadata
-from h2o_vllm.worker.compact import compact_row, row_slots
-from h2o_vllm.worker.layout import cache_views
-from h2o_vllm.worker.scores import accumulate_decode_scores_at, accumulate_prefill_scores
+from h2o_vllm.worker.cpu.builder import H2OCPUAttentionMetadata
+from h2o_vllm.worker.cpu.compact import compact_row, row_slots
+from h2o_vllm.worker.cpu.layout import cache_views
+from h2o_vllm.worker.cpu.scores import accumulate_decode_scores_at, accumulate_prefill_scores
 
 
 class H2OCPUImpl(CPUAttentionBackendImpl):

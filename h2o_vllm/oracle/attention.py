@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.reference.cache import LayerCache
+from h2o_vllm.oracle.cache import LayerCache
 
 #: Queries per chunk: the probabilities held at once are [num_q_heads, chunk, kv_len] fp32.
 DEFAULT_QUERY_CHUNK = 256

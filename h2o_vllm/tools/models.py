@@ -232,7 +232,7 @@ def _tiny_corpus() -> list[str]:
 
 
 def main() -> None:
-    """`python -m h2o_vllm.models [CACHE_DIR]`: build the SmolLM2 directory and print its path."""
+    """`python -m h2o_vllm.tools.models [CACHE_DIR]`: build the SmolLM2 directory and print its path."""
     import sys
 
     print(smollm2_dir(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.reference.attention import DEFAULT_QUERY_CHUNK, attend_and_score
-from h2o_vllm.reference.cache import LayerCache, SequenceState
+from h2o_vllm.oracle.attention import DEFAULT_QUERY_CHUNK, attend_and_score
+from h2o_vllm.oracle.cache import LayerCache, SequenceState
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -15,7 +15,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class H2OReference:
+class H2OOracle:
     """Greedy generation and teacher-forced scoring with H2O eviction, one sequence at a time.
 
     ``model``: a Hugging Face causal LM of the Llama family (``LlamaForCausalLM`` and lookalikes:

@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *argv]
     args = sys.argv[1:]
     if args[:1] == ["demo"]:
-        if importlib.util.find_spec("h2o_vllm.demo") is None:
-            sys.exit("h2o-vllm demo: h2o_vllm.demo is not part of this install")
-        from h2o_vllm import demo
+        if importlib.util.find_spec("h2o_vllm.tools.demo") is None:
+            sys.exit("h2o-vllm demo: h2o_vllm.tools.demo is not part of this install")
+        from h2o_vllm.tools import demo
         sys.argv = [f"{sys.argv[0]} demo", *args[1:]]
         sys.exit(demo.main())
     _vllm_main()
@@ -56,7 +56,7 @@ def _vllm_main() -> None:
     parser.add_argument("-v", "--version", action="version",
                         version=f"h2o-vllm {h2o_vllm.__version__} (vLLM {vllm.__version__})")
     subparsers = parser.add_subparsers(required=False, dest="subparser")
-    subparsers.add_parser("demo", help="Run the h2o-vllm demo (h2o_vllm.demo).")
+    subparsers.add_parser("demo", help="Run the h2o-vllm demo (h2o_vllm.tools.demo).")
     cmds = {}
     for module in (serve, bench):
         for cmd in module.cmd_init():

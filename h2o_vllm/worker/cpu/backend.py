@@ -21,10 +21,10 @@ class H2OCPUAttentionBackend(CPUAttentionBackend):
 
     @staticmethod
     def get_impl_cls():
-        from h2o_vllm.worker.impl import H2OCPUImpl
+        from h2o_vllm.worker.cpu.impl import H2OCPUImpl
         return H2OCPUImpl
 
     @staticmethod
     def get_builder_cls():
-        from h2o_vllm.worker.builder import H2OCPUMetadataBuilder
+        from h2o_vllm.worker.cpu.builder import H2OCPUMetadataBuilder
         return H2OCPUMetadataBuilder

@@ -1,7 +1,7 @@
 """H2OTritonAttentionBackend: vLLM's Triton attention (CUDA) with H2O's builder and impl.
 
 Runs in the worker process. Registered as ``AttentionBackendEnum.CUSTOM`` on CUDA (plugin.py) and
-selected with ``--attention-backend CUSTOM`` (``h2o_vllm.cuda_config`` picks it when H2O is on and
+selected with ``--attention-backend CUSTOM`` (``h2o_vllm.frontend.cuda_config`` picks it when H2O is on and
 no backend was named). Triton attention keeps the plainest paged layout: its kv_cache arrives as
 [num_blocks, num_kv_heads, block_size, 2 * head_size] and ``transpose(1, 2).split(head_size)``
 gives K and V as [num_blocks, block_size, num_kv_heads, head_size] views, the layout of
@@ -66,7 +66,7 @@ class H2OTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         # The plan changes every step in Python (row lengths, due rows): no full CUDA graph may
         # hold attention. vLLM then downgrades FULL_AND_PIECEWISE to PIECEWISE (attention runs
-        # eagerly between the graphs); h2o_vllm.cuda_config already asks for that up front.
+        # eagerly between the graphs); h2o_vllm.frontend.cuda_config already asks for that up front.
         if config_from_additional(vllm_config.additional_config) is not None:
             return AttentionCGSupport.NEVER
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)

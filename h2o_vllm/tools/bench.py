@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h2o_vllm.models import default_cache_dir
+from h2o_vllm.tools.models import default_cache_dir
 
 #: Real English text available offline: Debian ships GPL-3 everywhere; the other two come from
 #: `apt-get install jargon-text` and `apt-get download dict-devil` + `dpkg-deb -x` into
@@ -79,7 +79,7 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
     "stock": None (no h2o key: the plugin is inert). "full": H2O's machinery with nothing ever
     evicted: heavy = max_model_len - interval, so the first compaction would come at
     max_model_len tokens, which no sequence processes (the overhead of score tracking alone;
-    a larger budget is refused by h2o_vllm.conflicts). "h2o": half heavy, half recent (the
+    a larger budget is refused by h2o_vllm.frontend.conflicts). "h2o": half heavy, half recent (the
     paper's 0.1 + 0.1 = 20%). "local": recent only, the paper's baseline.
     """
     if policy == "stock":

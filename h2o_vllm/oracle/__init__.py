@@ -4,12 +4,12 @@ The independent side of every token-for-token test (ARCHITECTURE.md, "What H2O i
 it imports ``h2o_vllm.config`` and torch only (the model is a Hugging Face module), never
 ``policy``, ``worker`` or vLLM.
 
-    ref = H2OReference(model, H2OConfig(heavy_ratio=0.1, recent_ratio=0.1))
+    ref = H2OOracle(model, H2OConfig(heavy_ratio=0.1, recent_ratio=0.1))
     tokens = ref.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
     ref.last_states[0].layers[0].positions   # [num_kv_heads, kv_len] kept logical positions
     logprobs = ref.score(prompt, continuation)
 """
-from h2o_vllm.reference.cache import LayerCache, SequenceState
-from h2o_vllm.reference.model import H2OReference
+from h2o_vllm.oracle.cache import LayerCache, SequenceState
+from h2o_vllm.oracle.model import H2OOracle
 
-__all__ = ["H2OReference", "LayerCache", "SequenceState"]
+__all__ = ["H2OOracle", "LayerCache", "SequenceState"]

@@ -1,0 +1,3 @@
+"""Tooling apart from the runtime: offline models, benchmark helpers, the soak load, the demo.
+
+Nothing in the runtime (plugin, scheduler, worker, hooks) imports this package."""

@@ -1,0 +1,1 @@
+"""The CPU implementation: vLLM's CPU attention, torch score accumulation and compaction."""
