@@ -22,6 +22,22 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                   stride_kb, stride_ks, stride_kh, block_size):
+    """K at KV positions offs_n of one row and KV head, upcast to fp32 (masked lanes are 0).
+
+    bt_row points at the row's block-table entries. Also returns each position's block (int64),
+    which the caller needs to address the same positions in ``scores``.
+    """
+    blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    k = tl.load(key_cache + blk[:, None] * stride_kb
+                + (offs_n % block_size)[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    return blk, k
+
+
+@triton.jit
 def accumulate_decode_scores_kernel(
         query, key_cache, block_table, kv_seq_lens, scores, scale_log2,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -46,11 +62,8 @@ def accumulate_decode_scores_kernel(
     for n0 in range(0, kv_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(key_cache + blk[:, None] * stride_kb
-                    + (offs_n % block_size)[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        _, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                              stride_kb, stride_ks, stride_kh, block_size)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -62,11 +75,8 @@ def accumulate_decode_scores_kernel(
     for n0 in range(0, kv_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(key_cache + blk[:, None] * stride_kb
-                    + (offs_n % block_size)[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        blk, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                                stride_kb, stride_ks, stride_kh, block_size)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]
         col = tl.sum(p, axis=0)
@@ -109,11 +119,8 @@ def prefill_lse_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        k = tl.load(key_cache + blk[:, None] * stride_kb
-                    + (offs_n % block_size)[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        _, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                              stride_kb, stride_ks, stride_kh, block_size)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         # Key 0 is visible to every query (padded ones too), so m_i is finite after tile 0.
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -148,11 +155,9 @@ def accumulate_prefill_scores_kernel(
     n_mask = offs_n < kv_len
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
-    blk = tl.load(block_table + row.to(tl.int64) * stride_bt + offs_n // block_size,
-                  mask=n_mask, other=0).to(tl.int64)
-    k = tl.load(key_cache + blk[:, None] * stride_kb + (offs_n % block_size)[:, None] * stride_ks
-                + kv_head * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    bt_row = block_table + row.to(tl.int64) * stride_bt
+    blk, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                            stride_kb, stride_ks, stride_kh, block_size)
     acc = tl.zeros([BLOCK_N], tl.float32)
     # Queries j < n0 - ctx_len see none of these keys (causal): start at the first that can.
     first = tl.maximum(n0 - ctx_len, 0) * GROUP
