@@ -29,9 +29,9 @@ class H2OConfig:
     part (``heavy_ratio=0`` is the recent-only "Local" baseline).
 
     ``interval``: after the prompt, the cache is compacted back to the budget each time it has
-    grown ``interval`` tokens past it. ``None`` means one KV block in vLLM (the natural unit:
-    each compaction then frees whole blocks) and 1 (the paper's per-step eviction) in the
-    reference implementation.
+    grown ``interval`` tokens past it. ``None`` means one KV block, everywhere (the natural
+    unit: each compaction then frees whole blocks); the oracle is given the block size of the
+    engine it stands for. ``interval=1`` is the paper's per-step eviction.
     """
 
     heavy_ratio: float | None = None
@@ -113,15 +113,26 @@ class H2OConfig:
         # The epsilon keeps 0.3 * 10 from flooring to 2 through fp error.
         return max(1, math.floor(ratio * prompt_len + 1e-9))
 
-    def budget(self, prompt_len: int) -> tuple[int, int]:
-        """(heavy, recent) token counts for one prompt length."""
-        return self.part_budget("heavy", prompt_len), self.part_budget("recent", prompt_len)
+    def budget(self, prompt_len: int, block_size: int) -> "Budget":
+        """The ``Budget`` of one prompt length; ``block_size`` (KV block) is the default interval."""
+        return Budget(heavy=self.part_budget("heavy", prompt_len),
+                      recent=self.part_budget("recent", prompt_len),
+                      interval=self.interval if self.interval is not None else block_size)
 
-    def resolved_interval(self, block_size: int | None) -> int:
-        """``interval``, defaulting to one block (vLLM) or 1 (no block size: the reference)."""
-        if self.interval is not None:
-            return self.interval
-        return block_size if block_size else 1
+
+@dataclass(frozen=True)
+class Budget:
+    """What one request keeps per (layer, KV head), in tokens, and its cadence: resolved once
+    per request (``H2OConfig.budget``) and passed on, never re-derived."""
+
+    heavy: int
+    recent: int
+    interval: int
+
+    @property
+    def tokens(self) -> int:
+        """heavy + recent: the size the cache is compacted back to."""
+        return self.heavy + self.recent
 
 
 #: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)
@@ -129,11 +140,27 @@ class H2OConfig:
 REQUEST_KEYS = {f"h2o_{f.name}": f.name for f in fields(H2OConfig)}
 
 
+_parsed: dict[str, H2OConfig] = {}
+
+
 def config_from_additional(additional_config: Mapping[str, Any] | None) -> H2OConfig | None:
-    """The engine's H2O config, or None when H2O is off (no ``h2o`` key)."""
+    """The engine's H2O config, or None when H2O is off (no ``h2o`` key).
+
+    Every process parses its engine's dict once: builders, impls and hooks all ask here, so a
+    valid config is one shared frozen object and an invalid one raises the same error anywhere.
+    """
     if not additional_config or "h2o" not in additional_config:
         return None
-    return H2OConfig.from_dict(additional_config["h2o"])
+    data = additional_config["h2o"]
+    key = repr(data)
+    if key not in _parsed:
+        _parsed[key] = H2OConfig.from_dict(data)
+    return _parsed[key]
+
+
+def h2o_config(vllm_config) -> H2OConfig | None:
+    """The H2O config of a ``VllmConfig`` (None when H2O is off)."""
+    return config_from_additional(vllm_config.additional_config)
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -144,8 +171,6 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def request_config(base: H2OConfig, extra_args: Mapping[str, Any] | None) -> H2OConfig:
-    """The config one request runs with: ``base`` with its ``extra_args`` overrides, if any.
-
-    Scheduler and worker both call this, so they budget each request alike."""
+    """The config one request runs with: ``base`` with its ``extra_args`` overrides, if any."""
     overrides = request_overrides(extra_args)
     return base.with_overrides(overrides) if overrides else base

@@ -125,6 +125,18 @@ def summary_line(totals: dict[str, float]) -> str:
             f"{int(totals['live_kv_tokens'])}, evicted attention share {100 * evicted_share(totals):.2f}%")
 
 
+def summary_if_changed(state: dict) -> str | None:
+    """The periodic log line, or None when nothing changed since the last one.
+
+    Like vLLM's own stats line: at INFO while something changes, silent when idle. ``state``
+    is the caller's per-logger dict; the last totals are kept in it."""
+    totals = read_totals()
+    if totals == state.get("_h2o_last_totals"):
+        return None
+    state["_h2o_last_totals"] = totals
+    return summary_line(totals)
+
+
 class H2OCollector:
     """Prometheus collector summing the writers' files at scrape time (process 0)."""
 

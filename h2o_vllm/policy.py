@@ -1,4 +1,4 @@
-"""The H2O rules both sides of vLLM share: budgets, the live KV length, the keep-set.
+"""The H2O rules both sides of vLLM share: the live KV length of a Budget, the keep-set.
 
 Pure: torch and ``config`` only. The scheduler (engine-core process) and the workers evaluate
 ``kv_len_after`` on the same inputs, so they agree on every block count without exchanging a
@@ -10,47 +10,45 @@ from typing import TypeVar
 
 import torch
 
-from h2o_vllm.config import H2OConfig
+from h2o_vllm.config import Budget
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 
-def budget(prompt_len: int, config: H2OConfig) -> tuple[int, int]:
-    """(heavy, recent) tokens kept per (layer, KV head) for a prompt of ``prompt_len`` tokens."""
-    return config.budget(prompt_len)
+def cadence_start(prompt_len: IntOrTensor, budget_tokens: IntOrTensor,
+                  interval: IntOrTensor) -> IntOrTensor:
+    """Tokens processed at the first compaction: the prompt is never evicted, and the cache
+    first shrinks once it has grown ``interval`` past the budget (ARCHITECTURE.md, "Cadence")."""
+    if isinstance(prompt_len, torch.Tensor) or isinstance(budget_tokens, torch.Tensor):
+        return torch.maximum(torch.as_tensor(prompt_len), torch.as_tensor(budget_tokens + interval))
+    return max(prompt_len, budget_tokens + interval)
 
 
 def live_kv_len(tokens_processed: IntOrTensor, prompt_len: IntOrTensor,
                 budget_tokens: IntOrTensor, interval: IntOrTensor) -> IntOrTensor:
     """Live KV length after ``tokens_processed`` logical tokens have been written.
 
-    No eviction before the prompt is done; after it, the cache is compacted back to
-    ``budget_tokens`` whenever it has grown ``interval`` tokens past it (ARCHITECTURE.md,
-    "Cadence"). With ``start = max(prompt_len, budget + interval)`` the first compaction
-    happens at ``start``, then every ``interval`` tokens, hence the closed form.
-
-    A request recomputed after preemption (one prefill step past its prompt) lands on the
-    same length an uninterrupted request would have: both sides only ever see this function.
-    Works elementwise on tensors (the worker's rows) and on ints (the scheduler's requests).
+    The first compaction comes at ``cadence_start``, then one every ``interval`` tokens, each
+    back to ``budget_tokens``: hence the closed form. A request recomputed after preemption
+    (one prefill step past its prompt) lands on the same length an uninterrupted request would
+    have: both sides only ever see this function. Elementwise on tensors (the worker's rows)
+    and on ints (the scheduler's requests).
     """
+    start = cadence_start(prompt_len, budget_tokens, interval)
     if isinstance(tokens_processed, torch.Tensor):
-        start = torch.maximum(torch.as_tensor(prompt_len), torch.as_tensor(budget_tokens + interval))
         compacted = budget_tokens + torch.remainder(tokens_processed - start, interval)
         return torch.where(tokens_processed < start, tokens_processed, compacted)
-    start = max(prompt_len, budget_tokens + interval)
     if tokens_processed < start:
         return tokens_processed
     return budget_tokens + (tokens_processed - start) % interval
 
 
-def kv_len_after(tokens_processed: int, prompt_len: int, config: H2OConfig,
-                 block_size: int | None = None) -> int:
-    """Live KV length of a sequence after ``tokens_processed`` tokens, for one config."""
-    heavy, recent = config.budget(prompt_len)
-    return live_kv_len(tokens_processed, prompt_len, heavy + recent, config.resolved_interval(block_size))
+def kv_len_after(tokens_processed: int, prompt_len: int, budget: Budget) -> int:
+    """Live KV length of a sequence after ``tokens_processed`` tokens."""
+    return live_kv_len(tokens_processed, prompt_len, budget.tokens, budget.interval)
 
 
-def peak_kv_len(prompt_len: int, max_len: int, config: H2OConfig, block_size: int | None = None) -> int:
+def peak_kv_len(prompt_len: int, max_len: int, budget: Budget) -> int:
     """Most KV-space slots a sequence of at most ``max_len`` logical tokens needs in one step
     after its prompt: the live length before a decode step plus the token it writes.
 
@@ -58,13 +56,11 @@ def peak_kv_len(prompt_len: int, max_len: int, config: H2OConfig, block_size: in
     sequence predictable, and the bound of what admission keeps free for a running sequence
     (``H2OManager.admission_headroom``).
     """
-    heavy, recent = config.budget(prompt_len)
-    budget_tokens, interval = heavy + recent, config.resolved_interval(block_size)
-    start = max(prompt_len, budget_tokens + interval)
+    start = cadence_start(prompt_len, budget.tokens, budget.interval)
     last = max_len - 1  # the last decode step starts from max_len - 1 processed tokens
     peak = min(start, last + 1) - 1 if prompt_len < start else 0
     if last >= start:
-        peak = max(peak, budget_tokens + min(interval - 1, last - start))
+        peak = max(peak, budget.tokens + min(budget.interval - 1, last - start))
     return max(peak + 1, 1) if last >= prompt_len else prompt_len
 
 

@@ -54,8 +54,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     model = getattr(vllm_config, "model_config", None)
     if model is not None:
         check_model(model)
-        block_size = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
-        check_budget_fits(h2o, model.max_model_len, block_size)
+        check_budget_fits(h2o, model.max_model_len, vllm_config.cache_config.block_size)
 
 
 def check_model(model_config: Any) -> None:
@@ -103,14 +102,14 @@ def check_model(model_config: Any) -> None:
                "H2O's scores are computed without the cap, so they are not the model's attention")
 
 
-def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int | None) -> None:
+def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> None:
     """Refuse an engine-wide budget under which no sequence can ever be evicted.
 
     The first compaction of a sequence happens once it holds ``max(prompt, budget +
     interval)`` tokens (``policy.live_kv_len``); the smallest budget is the one of a 1-token
     prompt. Per-request budgets may exceed it (a request then runs without eviction)."""
-    heavy, recent = h2o.budget(1)
-    interval = h2o.resolved_interval(block_size)
+    budget = h2o.budget(1, block_size)
+    heavy, recent, interval = budget.heavy, budget.recent, budget.interval
     if heavy + recent + interval <= max_model_len:
         return
     parts = " + ".join(f"{name}={value}" for name, value in (

@@ -1,9 +1,12 @@
 """Triton kernels for the CUDA path (worker process): score accumulation and row compaction.
 
-Each op comes in three: ``<op>_kernel`` (jit), the ``<op>`` launcher here, and a plain-torch twin
-of the same name in ``h2o_vllm.kernels.twins``. Launchers load lazily, so the reference (torch
-only) imports without Triton; the launchers' shared argument checks live here. Set
-``TRITON_INTERPRET=1`` before the first import of a kernel module to run the kernels on CPU.
+One module per op: ``decode_scores`` (``accumulate_decode_scores``), ``prefill_scores``
+(``prefill_lse``, ``accumulate_prefill_scores``) and ``compact`` (``compact_rows``); ``tiles``
+holds what the score kernels share. Each op comes in three: ``<op>_kernel`` (jit), the ``<op>``
+launcher (importable from here), and a plain-torch twin of the same name in
+``h2o_vllm.kernels.twins``. Launchers load lazily, so the twins (torch only) imports without
+Triton; the launchers' shared argument checks live here. Set ``TRITON_INTERPRET=1`` before the
+first import of a kernel module to run the kernels on CPU.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import importlib
 import torch
 
 _LAUNCHERS = {
-    "accumulate_decode_scores": "h2o_vllm.kernels.scores",
-    "accumulate_prefill_scores": "h2o_vllm.kernels.scores",
-    "prefill_lse": "h2o_vllm.kernels.scores",
+    "accumulate_decode_scores": "h2o_vllm.kernels.decode_scores",
+    "accumulate_prefill_scores": "h2o_vllm.kernels.prefill_scores",
+    "prefill_lse": "h2o_vllm.kernels.prefill_scores",
     "compact_rows": "h2o_vllm.kernels.compact",
 }
 __all__ = sorted(_LAUNCHERS)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h2o_vllm.config import H2OConfig
+from h2o_vllm.config import Budget
 
 
 class LayerCache:
@@ -97,25 +97,13 @@ class SequenceState:
     """Everything the oracle keeps for one sequence: one ``LayerCache`` per layer plus cadence.
 
     ``num_tokens`` counts the logical tokens whose K/V have been written (for ``generate``, the
-    last generated token is never written). ``config=None`` means a full cache, no eviction.
+    last generated token is never written). ``budget=None`` means a full cache, no eviction.
     """
 
     prompt_len: int
-    config: H2OConfig | None
+    budget: Budget | None
     layers: list[LayerCache] = field(default_factory=list)
     num_tokens: int = 0
-
-    @property
-    def heavy(self) -> int:
-        return self.config.budget(self.prompt_len)[0] if self.config else 0
-
-    @property
-    def recent(self) -> int:
-        return self.config.budget(self.prompt_len)[1] if self.config else 0
-
-    @property
-    def interval(self) -> int:
-        return self.config.resolved_interval(None) if self.config else 1
 
     @property
     def kv_len(self) -> int:
@@ -125,11 +113,11 @@ class SequenceState:
     def compact_if_due(self) -> bool:
         """The cadence (see Cadence): after the prompt, shrink back to heavy + recent once the
         cache has grown ``interval`` tokens past it. Returns whether it compacted."""
-        if self.config is None or self.num_tokens < self.prompt_len:
+        budget = self.budget
+        if budget is None or self.num_tokens < self.prompt_len:
             return False
-        heavy, recent = self.config.budget(self.prompt_len)
-        if self.kv_len < heavy + recent + self.interval:
+        if self.kv_len < budget.heavy + budget.recent + budget.interval:
             return False
         for layer in self.layers:
-            layer.compact(heavy, recent)
+            layer.compact(budget.heavy, budget.recent)
         return True

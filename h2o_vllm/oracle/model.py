@@ -24,8 +24,9 @@ class H2OOracle:
     GQA, projection biases and ``q_norm``/``k_norm`` are honoured). Only its weights and
     submodules are used: attention, scores and compaction are computed here, in fp32.
 
-    ``config``: the H2O budget and cadence; ``None`` keeps every token (a full cache). An unset
-    ``interval`` means 1, the paper's eviction at every step.
+    ``config``: the H2O budget and cadence; ``None`` keeps every token (a full cache). Each
+    sequence's ``Budget`` is resolved from it once, as vLLM resolves it: an unset ``interval``
+    is one KV block of ``block_size`` tokens (the engine's), so ``block_size`` is needed then.
 
     Each sequence is its own H2O instance (its own prompt length, budget and scores). The prompt
     is one prefill step; each later token is one decode step. After each call, ``last_states``
@@ -33,10 +34,14 @@ class H2OOracle:
     ``state.layers[i].positions`` / ``.scores`` ([num_kv_heads, kv_len]) are the kept tokens.
     """
 
-    def __init__(self, model: torch.nn.Module, config: H2OConfig | None = None,
-                 query_chunk: int = DEFAULT_QUERY_CHUNK) -> None:
+    def __init__(self, model: torch.nn.Module, config: H2OConfig | None = None, *,
+                 block_size: int | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK) -> None:
+        if config is not None and config.interval is None and block_size is None:
+            raise ValueError("H2OOracle: the default interval is one KV block; pass block_size "
+                             "(the engine's KV block size) or set interval in the config")
         self.model = model
         self.config = config
+        self.block_size = block_size
         self.query_chunk = query_chunk
         hf = model.config
         self.num_q_heads = hf.num_attention_heads
@@ -85,7 +90,8 @@ class H2OOracle:
         """An empty sequence whose budget is taken from ``prompt_len``."""
         layers = [LayerCache(self.num_kv_heads, self.head_dim, capacity=prompt_len + 64)
                   for _ in self.model.model.layers]
-        return SequenceState(prompt_len=prompt_len, config=self.config, layers=layers)
+        budget = None if self.config is None else self.config.budget(prompt_len, self.block_size)
+        return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers)
 
     @torch.no_grad()
     def step(self, state: SequenceState, token_ids: list[int]) -> torch.Tensor:

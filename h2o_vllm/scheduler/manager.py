@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from h2o_vllm.config import H2OConfig
+from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.policy import kv_len_after, peak_kv_len
-from h2o_vllm.scheduler import requests
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
 logger = logging.getLogger("h2o_vllm")
@@ -25,7 +24,9 @@ class H2OManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: H2OAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        self.h2o: H2OConfig = kv_cache_spec.h2o
+        # Filled as requests are added (scheduler.step.add_request); a request the scheduler
+        # never announced runs with the engine's budget.
+        self.budgets = RequestBudgets(kv_cache_spec.h2o, kv_cache_spec.block_size)
         # Logical tokens no longer in KV space, per running request:
         # kv-space length = logical length - num_evicted.
         self.num_evicted: dict[str, int] = {}
@@ -36,9 +37,8 @@ class H2OManager(FullAttentionManager):
                               num_prompt_tokens: int | None = None) -> None:
         if num_prompt_tokens is None:
             return
-        config = requests.config_for(request_id, self.h2o)
-        kv_len = kv_len_after(processed_computed_tokens, num_prompt_tokens, config,
-                              self.kv_cache_spec.block_size)
+        budget = self.budgets.resolve(request_id, num_prompt_tokens)
+        kv_len = kv_len_after(processed_computed_tokens, num_prompt_tokens, budget)
         self.num_evicted[request_id] = processed_computed_tokens - kv_len
         blocks = self.req_to_blocks.get(request_id)
         num_keep = cdiv(kv_len, self.block_size)
@@ -67,10 +67,10 @@ class H2OManager(FullAttentionManager):
         stock vLLM's admission.
         """
         rid, prompt_len = request.request_id, request.num_prompt_tokens
-        config, block_size = requests.config_for(rid, self.h2o), self.kv_cache_spec.block_size
+        budget = self.budgets.resolve(rid, prompt_len)
         max_len = min(prompt_len + request.max_tokens, max_model_len)
-        peak = cdiv(peak_kv_len(prompt_len, max_len, config, block_size), self.block_size)
-        horizon = cdiv(config.resolved_interval(block_size), self.block_size)
+        peak = cdiv(peak_kv_len(prompt_len, max_len, budget), self.block_size)
+        horizon = cdiv(budget.interval, self.block_size)
         prefill = cdiv(request.num_tokens, self.block_size)  # a recompute prefills its outputs too
         self._admitted[rid] = (peak, prefill, horizon)
         reserve = sum(self._next_interval_claim(other, len(blocks))
@@ -78,7 +78,7 @@ class H2OManager(FullAttentionManager):
         allocating = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         if allocating < prefill:  # a chunked prefill claims the rest while others grow
             return prefill - allocating + reserve
-        after = cdiv(kv_len_after(request.num_tokens, prompt_len, config, block_size), self.block_size)
+        after = cdiv(kv_len_after(request.num_tokens, prompt_len, budget), self.block_size)
         return max(0, min(peak, after + horizon) + reserve - allocating)
 
     def _next_interval_claim(self, request_id: str, held: int) -> int:

@@ -34,3 +34,12 @@ class H2OAttentionSpec(FullAttentionSpec):
         if len(configs) != 1:
             raise ValueError(f"all layers of a KV-cache group must share one H2O config, got {configs}")
         return replace(super().merge(specs), h2o=configs.pop())
+
+
+def h2o_specs(specs: dict, config: H2OConfig | None) -> dict:
+    """The runner's KV-cache specs with each full-attention spec carrying the H2O config
+    (unchanged when H2O is off)."""
+    if config is None:
+        return specs
+    return {name: H2OAttentionSpec.from_full(spec, config) if type(spec) is FullAttentionSpec else spec
+            for name, spec in specs.items()}

@@ -2,36 +2,49 @@
 
 Manifest (each hook: target, why, upstream stand-in, remove when); the hooks live in the
 module of the process they run in: engine_args, requests (process 0), scheduler (engine core),
-runner (worker).
+runner and cpu_attention (worker). A wrapper only reads vLLM's objects and applies what a named
+function outside this package decides (``worker.plan``, ``scheduler.step``, ``scheduler.spec``,
+``frontend.settings``, ``frontend.requests``, ``metrics``); ``seam`` holds the lookup, wrapping
+and version-guard helpers every hook module uses.
 
 - ``install_runner_hook`` wraps ``GPUModelRunner._build_attention_metadata``
   (vllm/v1/worker/gpu_model_runner.py; the CPU runner inherits it).
   Why: vLLM 0.32's V1 runner gives attention builders no request identity or prompt length,
-  and a block-table row only grows. The hook builds the step's H2O plan (per row: prompt
-  length, budget, KV-space lengths) for the builders, and truncates the rows the plan
-  compacts, in step with ``H2OManager`` freeing their tail blocks at the next schedule.
+  and a block-table row only grows. The hook reads the batch and passes it to
+  ``worker.plan.plan_batch`` (per row: the request's ``Budget``, KV-space lengths) for the
+  builders, and truncates the rows ``worker.plan.rows_to_truncate`` names, in step with
+  ``H2OManager`` freeing their tail blocks at the next schedule.
   Upstream: patches/0001-attn-metadata-request-context.patch. Remove when every supported
   vLLM passes request context to builders.
 - ``install_runner_hook`` also wraps ``GPUModelRunner.get_kv_cache_spec``.
   Why: ``AttentionBackend.customize_spec`` is a classmethod without the config, so it cannot
-  tell whether H2O is on; the runner can. Full-attention specs become ``H2OAttentionSpec``.
+  tell whether H2O is on; the runner can. Full-attention specs become ``H2OAttentionSpec``
+  (``scheduler.spec.h2o_specs``).
 - ``install_scheduler_hook`` wraps ``Scheduler.add_request`` / ``Scheduler._free_blocks``.
   Why: a single-type KV-cache manager only sees request ids, not per-request budgets
-  (``SamplingParams.extra_args``). Remove when managers receive the request.
+  (``SamplingParams.extra_args``): ``scheduler.step.add_request`` resolves each request's
+  ``Budget`` into the managers' ``RequestBudgets``, ``finish_request`` drops it. Remove when
+  managers receive the request.
 - ``install_scheduler_hook`` also wraps ``Scheduler.update_from_output`` to call
   ``KVCacheManager.remove_skipped_blocks`` for every running request once its step is
-  processed. Why: vLLM calls it lazily in ``allocate_slots``, so a freshly compacted prompt
-  still holds its whole prompt's blocks when an earlier request in the queue preempts it.
+  processed (``scheduler.step.free_compacted_tails``). Why: vLLM calls it lazily in
+  ``allocate_slots``, so a freshly compacted prompt still holds its whole prompt's blocks when
+  an earlier request in the queue preempts it.
   Remove when vLLM frees skipped blocks at the step boundary.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
-  (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, by
-  ``H2OManager.admission_headroom`` for that one call. Why: H2O sequences have a known, small
+  (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
+  ``scheduler.step.admission_watermark`` for that one call. Why: H2O sequences have a known, small
   peak; vLLM admits greedily and preempts (recomputes) when running sequences then cannot grow.
   Upstream: a per-spec admission reserve hook in the KV-cache manager.
+- ``vllm_hooks.cpu_attention.use_readable_isa`` (called by ``H2OCPUMetadataBuilder``) sets
+  the CPU builder's ``isa`` and calls its private ``_set_isa_to_layers``.
+  Why: H2O reads K back in the ``vec``/``vec16`` layouts only; vLLM may pick AMX.
+  Remove when vLLM exposes a readable K view of every CPU layout.
 - ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
   (vllm/engine/arg_utils.py), in the process that builds the engine config.
   Why: the H2O config must be validated, prefix caching (on by default) turned off, and
-  conflicting settings refused (``h2o_vllm.frontend.conflicts``) before any model weight loads.
+  conflicting settings refused before any model weight loads (``frontend.settings``:
+  ``settle_engine_args`` before vLLM builds its config, ``check_engine_config`` after).
   Not an upstream candidate: it is plugin policy.
 - ``register_kv_cache_spec`` calls the private ``KVCacheSpecRegistry._ensure_registered``.
   Why: registering first would otherwise leave vLLM's built-in specs unregistered.
@@ -91,7 +104,7 @@ def register_kv_cache_spec() -> None:
 
 # Re-exported: plugin.register() and the tests use the package as one namespace.
 from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.requests import check_request_overrides, install_request_validation_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.requests import install_request_validation_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.runner import install_runner_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.scheduler import install_metrics_hooks, install_scheduler_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from h2o_vllm.vllm_hooks.seam import _MARK, _require, _wrap, logger
+from h2o_vllm.vllm_hooks.seam import _MARK, _require, _wrap
 
 
 def install_engine_args_hook() -> None:
@@ -16,28 +16,13 @@ def install_engine_args_hook() -> None:
 
 def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
-        from h2o_vllm.frontend import conflicts
-        from h2o_vllm.config import config_from_additional
+        from h2o_vllm.frontend import settings
         from h2o_vllm.vllm_hooks import triton_on_cpu
         triton_on_cpu.install()  # this process's plugin may have loaded before the switch was set
-        h2o = config_from_additional(self.additional_config)
-        if h2o is not None:
-            conflicts.check_engine_args(self, h2o)
-            if self.enable_prefix_caching:
-                raise ValueError(
-                    "--enable-prefix-caching cannot be combined with H2O KV eviction: compaction "
-                    "rewrites cached blocks. Drop --enable-prefix-caching (H2O turns it off).")
-            if self.enable_prefix_caching is None:
-                logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
-                               "(compaction rewrites blocks that prefix caching would share)")
-                self.enable_prefix_caching = False
-            from h2o_vllm.frontend import cuda_config
-            cuda_config.adjust_engine_args(self)  # CUDA path: backend; CUDA only: runner, async, graphs
+        h2o = settings.settle_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
         triton_on_cpu.check_vllm_config(vllm_config)
-        if h2o is not None:
-            conflicts.check_vllm_config(vllm_config, h2o)  # the model's attention, max_model_len
-            cuda_config.check_vllm_config(vllm_config)
+        settings.check_engine_config(vllm_config, h2o)
         return vllm_config
     return create_engine_config
 

@@ -1,6 +1,7 @@
 """Hooks on the model runner: the per-step H2O plan, H2O KV-cache specs, row truncation.
 
-Runs in the worker process.
+Runs in the worker process. The wrappers only read the runner's batch and apply what the named
+functions of ``h2o_vllm.worker.plan`` and ``h2o_vllm.scheduler.spec`` decide.
 """
 from __future__ import annotations
 
@@ -19,119 +20,72 @@ def install_runner_hook() -> None:
 
 def _get_kv_cache_spec_wrapper(original):
     def get_kv_cache_spec(self):
-        specs = original(self)
-        config = _h2o_of(self)
-        if config is None:
-            return specs
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        from h2o_vllm.scheduler.spec import H2OAttentionSpec
-        return {name: H2OAttentionSpec.from_full(spec, config) if type(spec) is FullAttentionSpec else spec
-                for name, spec in specs.items()}
+        from h2o_vllm.scheduler.spec import h2o_specs
+        return h2o_specs(original(self), _h2o_of(self))
     return get_kv_cache_spec
 
 
 def _build_attention_metadata_wrapper(original):
     def _build_attention_metadata(self, *args, **kwargs):
-        config = _h2o_of(self)
         scheduled = kwargs.get("num_scheduled_tokens")
         # Dummy and profiling runs pass no scheduled tokens: no request, no plan.
-        if config is None or scheduled is None:
+        if _h2o_of(self) is None or scheduled is None:
             return original(self, *args, **kwargs)
         from h2o_vllm.worker import plan as step_plan
-        num_reqs = kwargs["num_reqs"] if "num_reqs" in kwargs else args[1]
-        plan = _step_plan(self, config, num_reqs, scheduled)
-        step_plan.set_current(plan)
-        try:
+        plan = _plan_batch(self, kwargs["num_reqs"] if "num_reqs" in kwargs else args[1], scheduled)
+        with step_plan.current_plan(plan):
             result = original(self, *args, **kwargs)
-        finally:
-            step_plan.set_current(None)
-        _truncate_compacted_rows(self, plan)
-        _record_compactions(plan)
+        _truncate_rows(self, plan)
+        step_plan.record_compactions(plan)
         return result
     return _build_attention_metadata
 
 
-def _h2o_block_size(runner) -> int:
+def _h2o_groups(runner) -> list[tuple[int, int]]:
+    """(KV-cache group id, block size) of each H2O group of the runner."""
     from h2o_vllm.scheduler.spec import H2OAttentionSpec
-    sizes = {g.kv_cache_spec.block_size for g in runner.kv_cache_config.kv_cache_groups
-             if isinstance(g.kv_cache_spec, H2OAttentionSpec)}
-    if len(sizes) != 1:
-        raise RuntimeError(f"h2o-vllm expects one H2O KV-cache block size, found {sorted(sizes)}")
-    return sizes.pop()
+    return [(i, g.kv_cache_spec.block_size) for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
+            if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
 
 
-def _row_budget(runner, config, req_id: str, block_size: int) -> tuple[int, int, int]:
-    """(heavy, recent, interval) of one request, cached for its lifetime in the batch."""
-    cache: dict = runner.__dict__.setdefault("_h2o_row_budgets", {})
-    budget = cache.get(req_id)
-    if budget is None:
-        from h2o_vllm.config import request_config
-        state = runner.requests[req_id]
-        params = state.sampling_params
-        h2o = request_config(config, params.extra_args if params is not None else None)
-        heavy, recent = h2o.budget(state.num_prompt_tokens)
-        budget = cache[req_id] = (heavy, recent, h2o.resolved_interval(block_size))
-        if len(cache) > 4 * max(len(runner.requests), 64):
-            for gone in set(cache) - set(runner.requests):
-                del cache[gone]
-    return budget
+def _budgets(runner):
+    """The runner's ``RequestBudgets`` (one KV block size: the default interval)."""
+    budgets = runner.__dict__.get("_h2o_budgets")
+    if budgets is None:
+        from h2o_vllm.budgets import RequestBudgets
+        sizes = {size for _, size in _h2o_groups(runner)}
+        if len(sizes) != 1:
+            raise RuntimeError(f"h2o-vllm expects one H2O KV-cache block size, found {sorted(sizes)}")
+        budgets = runner._h2o_budgets = RequestBudgets(_h2o_of(runner), sizes.pop())
+    return budgets
 
 
-def _step_plan(runner, config, num_reqs: int, scheduled: dict[str, int]):
-    from h2o_vllm.worker.plan import make_step_plan
-    batch = runner.input_batch
-    block_size = _h2o_block_size(runner)
+def _plan_batch(runner, num_reqs: int, scheduled: dict[str, int]):
+    from h2o_vllm.worker.plan import plan_batch
+    batch, requests = runner.input_batch, runner.requests
     req_ids = batch.req_ids[:num_reqs]
-    budgets = torch.tensor([_row_budget(runner, config, r, block_size) for r in req_ids],
-                           dtype=torch.int64).view(-1, 3)
-    return make_step_plan(
+
+    def extra_args_of(req_id: str):
+        params = requests[req_id].sampling_params
+        return params.extra_args if params is not None else None
+    return plan_batch(
+        _budgets(runner), req_ids,
         num_computed=torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs]).to(torch.int64),
-        query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
         prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
-        heavy=budgets[:, 0], recent=budgets[:, 1], interval=budgets[:, 2])
+        query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
+        extra_args_of=extra_args_of, live_request_ids=requests.keys())
 
 
-def _truncate_compacted_rows(runner, plan) -> None:
-    """Drop the block-table entries past each compacted row's new KV length, as the
-    scheduler's ``H2OManager.remove_skipped_blocks`` will at the next schedule. The tensor
+def _truncate_rows(runner, plan) -> None:
+    """Drop the block-table entries past each compacted row's new KV length. The tensor
     entries stay until overwritten, so this step's kernels still read them."""
-    from vllm.utils.math_utils import cdiv
-
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
-    due = plan.due.nonzero().flatten().tolist()
-    if not due:
-        return
+    from h2o_vllm.worker.plan import rows_to_truncate
     batch = runner.input_batch
-    for group_id, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        if not isinstance(group.kv_cache_spec, H2OAttentionSpec):
-            continue
+    for group_id, block_size in _h2o_groups(runner):
         table = batch.block_table[group_id]
-        for row in due:
-            keep = cdiv(int(plan.kv_lens_after[row]), group.kv_cache_spec.block_size)
+        for row, keep in rows_to_truncate(plan, block_size):
             if table.num_blocks_per_row[row] > keep:
                 table.num_blocks_per_row[row] = keep
                 del runner.requests[batch.req_ids[row]].block_ids[group_id][keep:]
-    for row in due:
-        logger.debug("h2o: request %s compacted from %d to %d KV tokens", batch.req_ids[row],
-                     int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
-
-
-def _counts_once() -> bool:
-    """Whether this worker counts per-request events (the first TP and PP rank)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-        return get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank
-    except (AssertionError, RuntimeError):  # no distributed state (unit tests)
-        return True
-
-
-def _record_compactions(plan) -> None:
-    """Tokens evicted and compactions of this step, from the plan the impl executes."""
-    due = plan.due
-    if not bool(due.any()) or not _counts_once():
-        return
-    from h2o_vllm import metrics
-    evicted = int((plan.kv_seq_lens[due] - plan.kv_lens_after[due]).sum())
-    metrics.recorder().add(evicted_tokens=evicted, compactions=int(due.sum()))
-
+            logger.debug("h2o: request %s compacted from %d to %d KV tokens", batch.req_ids[row],
+                         int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))

@@ -58,8 +58,6 @@ def _wrap(path: str, make_wrapper: Callable[[Callable], Callable]) -> None:
 
 
 def _h2o_of(obj) -> Any:
-    """The engine's H2OConfig (None when off), parsed once per runner or scheduler."""
-    if not hasattr(obj, "_h2o_config"):
-        from h2o_vllm.config import config_from_additional
-        obj._h2o_config = config_from_additional(obj.vllm_config.additional_config)
-    return obj._h2o_config
+    """The H2OConfig (None when off) of a vLLM object holding ``vllm_config``."""
+    from h2o_vllm.config import h2o_config
+    return h2o_config(obj.vllm_config)

@@ -1,15 +1,22 @@
 """The per-step H2O plan of one batch: every row's KV-space lengths before and after the step.
 
 Runs in the worker process. The runner hook builds it once per step from the input batch
-(request identity, prompt lengths, per-request budgets); the metadata builders and every
-attention layer's impl read it, so everything per-step is computed here, once.
+(request identity, prompt lengths, each request's ``Budget``); the metadata builders and every
+attention layer read it, so everything per-step is computed here, once. Every tensor-parallel
+rank builds the same plan: it depends on the batch, never on heads.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from h2o_vllm import metrics
+from h2o_vllm.budgets import RequestBudgets
+from h2o_vllm.config import Budget
 from h2o_vllm.policy import live_kv_len
 
 
@@ -21,28 +28,35 @@ class StepPlan:
     kv_seq_lens: torch.Tensor      # keys each row attends over in this step
     kv_lens_after: torch.Tensor    # live KV tokens once this step's compaction is done
     heavy: torch.Tensor
-    recent: torch.Tensor
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
-    decode_rows: torch.Tensor      # rows with one query (scored together)
-    prefill_rows: list[int]        # rows with several queries (scored one by one)
-    due_rows: list[int]
 
 
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
-                   heavy: torch.Tensor, recent: torch.Tensor, interval: torch.Tensor) -> StepPlan:
+                   budgets: Sequence[Budget]) -> StepPlan:
     """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens)."""
-    budget = heavy + recent
-    before = live_kv_len(num_computed, prompt_lens, budget, interval)
-    after = live_kv_len(num_computed + query_lens, prompt_lens, budget, interval)
+    table = torch.tensor([(b.heavy, b.tokens, b.interval) for b in budgets],
+                         dtype=torch.int64).view(-1, 3)
+    heavy, budget_tokens, interval = table.unbind(1)
+    before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval)
+    after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval)
     seq_lens = before + query_lens
-    due = after < seq_lens
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
-                    kv_lens_after=after, heavy=heavy, recent=recent, due=due,
-                    query_starts=torch.cumsum(query_lens, 0) - query_lens,
-                    decode_rows=(query_lens == 1).nonzero().flatten(),
-                    prefill_rows=(query_lens > 1).nonzero().flatten().tolist(),
-                    due_rows=due.nonzero().flatten().tolist())
+                    kv_lens_after=after, heavy=heavy, due=after < seq_lens,
+                    query_starts=torch.cumsum(query_lens, 0) - query_lens)
+
+
+def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: torch.Tensor,
+               prompt_lens: torch.Tensor, query_lens: torch.Tensor,
+               extra_args_of: Callable[[str], Mapping[str, Any] | None],
+               live_request_ids: Iterable[str]) -> StepPlan:
+    """The plan of a batch whose row i is request ``req_ids[i]``; each request's budget is
+    resolved the first time it is seen (``extra_args_of`` gives its overrides)."""
+    rows = [budgets.resolve(r, int(prompt_lens[i]), extra_args_of(r)) for i, r in enumerate(req_ids)]
+    live = list(live_request_ids)
+    if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
+        budgets.retain(live)
+    return make_step_plan(num_computed, query_lens, prompt_lens, rows)
 
 
 def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
@@ -60,12 +74,43 @@ def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
     return slots
 
 
+def rows_to_truncate(plan: StepPlan, block_size: int) -> list[tuple[int, int]]:
+    """(row, blocks kept) of each compacted row: the block-table entries past its new KV length
+    go, as the scheduler's ``H2OManager.remove_skipped_blocks`` frees them at the next schedule."""
+    return [(row, -(-int(plan.kv_lens_after[row]) // block_size))
+            for row in plan.due.nonzero().flatten().tolist()]
+
+
+def _counts_once() -> bool:
+    """Whether this worker counts per-request events (the first TP and PP rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        return get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank
+    except (AssertionError, RuntimeError):  # no distributed state (unit tests)
+        return True
+
+
+def record_compactions(plan: StepPlan) -> None:
+    """Tokens evicted and compactions of this step, from the plan every layer executes."""
+    due = plan.due
+    if not bool(due.any()) or not _counts_once():
+        return
+    evicted = int((plan.kv_seq_lens[due] - plan.kv_lens_after[due]).sum())
+    metrics.recorder().add(evicted_tokens=evicted, compactions=int(due.sum()))
+
+
 _current: StepPlan | None = None
 
 
-def set_current(plan: StepPlan | None) -> None:
+@contextlib.contextmanager
+def current_plan(plan: StepPlan):
+    """Makes ``plan`` the one the builders read while the runner builds this step's metadata."""
     global _current
     _current = plan
+    try:
+        yield plan
+    finally:
+        _current = None
 
 
 def current() -> StepPlan | None:

@@ -1,0 +1,94 @@
+"""The attention-backend parts both devices share: the metadata builder's step and the impl's
+forward, written once as mixins placed before vLLM's own classes.
+
+Runs in the worker process. A device's builder and impl are ``class X(H2OBuilderMixin,
+<vLLM builder>)`` and ``class Y(H2OImplMixin, <vLLM impl>)`` plus its ``DeviceOps``: with H2O
+off (no ``h2o`` key in ``additional_config``) both are vLLM's own, except that forward writes
+K/V itself (same slots, same kernel).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from vllm.config import get_current_vllm_config
+
+from h2o_vllm.config import h2o_config
+from h2o_vllm.worker import plan as step_plan
+from h2o_vllm.worker.step import DeferredMass, DeviceOps, H2OStep, kv_space_metadata, update_scores_and_compact
+
+_announced: set[str] = set()
+
+
+def announce_backend(backend: str, how: str) -> None:
+    """One INFO line per worker process naming the H2O attention backend it runs (vLLM's
+    handlers print the ``vllm.`` loggers)."""
+    if backend not in _announced:
+        _announced.add(backend)
+        logging.getLogger("vllm.h2o_vllm").info("h2o: attention backend %s (%s)", backend, how)
+
+
+def with_step(metadata_cls, metadata, step: H2OStep | None):
+    """vLLM's metadata as the device's H2O subclass (its ``h2o`` field: the step or None)."""
+    return metadata_cls(**{f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)},
+                        h2o=step)
+
+
+class H2OBuilderMixin:
+    """``build``: the plan's KV-space seq_lens and slot_mapping go to vLLM's builder, and the
+    step's ``H2OStep`` rides on the metadata every layer receives."""
+    ops: DeviceOps
+    metadata_cls: type
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.h2o = h2o_config(vllm_config)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        cm, step = common_attn_metadata, None
+        plan = step_plan.current() if self.h2o is not None else None
+        if plan is not None:
+            cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops)
+        return with_step(self.metadata_cls, super().build(common_prefix_len, cm, fast_build), step)
+
+
+class H2OImplMixin:
+    """``forward``: write K/V at the KV-space slots -> vLLM's attention -> scores and compaction."""
+    ops: DeviceOps
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.h2o = h2o_config(get_current_vllm_config())
+        # scores: [num_blocks, num_kv_heads, block_size] fp32, KV-space; allocated on first use
+        # because the cache size is only known once vLLM has profiled memory.
+        self.scores: torch.Tensor | None = None
+        self._mass = DeferredMass()
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # profiling and warm-up runs: vLLM's own answer
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        owns_cache = self.kv_sharing_target_layer_name is None
+        if owns_cache and key is not None and value is not None:
+            num_tokens = attn_metadata.slot_mapping.shape[0]
+            self.do_kv_cache_update(layer, key[:num_tokens], value[:num_tokens], kv_cache,
+                                    attn_metadata.slot_mapping)
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                        output_scale, output_block_scale)
+        step = getattr(attn_metadata, "h2o", None)
+        if step is not None and owns_cache:
+            views = self.ops.cache_views(kv_cache)
+            mass = update_scores_and_compact(step, self.ops, query, views, self._scores_like(views),
+                                             self.scale)
+            if step.due:
+                self._mass.push(mass)
+        return output
+
+    def _scores_like(self, views) -> torch.Tensor:
+        num_blocks, block_size, num_kv_heads, _ = views.keys.shape
+        if self.scores is None or self.scores.shape[0] != num_blocks:
+            self.scores = torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.float32,
+                                      device=views.keys.device)
+        return self.scores

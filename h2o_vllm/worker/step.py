@@ -1,0 +1,184 @@
+"""One H2O step on the worker, for both devices: the metadata moved into KV space, the step's
+device tensors, and the per-layer sequence after attention (ARCHITECTURE.md, "Step order").
+
+Runs in the worker process. ``kv_space_metadata`` runs once per step in a metadata builder;
+``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
+KV-space slots and attended: zero the scores of the slots just written, add this step's
+probabilities, select each due row's keep-set per head, compact, account the attention mass.
+A device supplies ``DeviceOps``: how to view its cache, accumulate and compact. Imports no
+vLLM, so the whole sequence runs on CPU tensors in unit tests.
+Cache views: keys / values [num_blocks, block_size, num_kv_heads, head_size] (strided views
+are fine); scores [num_blocks, num_kv_heads, block_size] fp32, KV-space.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from h2o_vllm import metrics
+from h2o_vllm.policy import select_keep
+from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
+
+
+@dataclass(frozen=True)
+class DueGroup:
+    """Due rows that share (kv_len, heavy, target): one select_keep and one compaction."""
+    rows: torch.Tensor      # [R] int64, device: batch rows
+    blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
+    offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
+    heavy: int
+    target: int
+
+
+@dataclass(frozen=True)
+class H2OStep:
+    """What every layer of a KV-cache group reads in one step: the plan (CPU) and its device
+    tensors, built once in the metadata builder."""
+    plan: StepPlan
+    block_table: torch.Tensor          # [>= num_rows, max_blocks] int32, device
+    kv_seq_lens: torch.Tensor          # [num_rows] int32, device: keys each row attends over
+    new_blocks: torch.Tensor           # [num_new] int64: slots this step writes (block, offset)
+    new_offsets: torch.Tensor
+    decode_rows: torch.Tensor | None   # [D] int64 rows with one query, None when D == 0
+    decode_tokens: torch.Tensor | None  # [D] int64 their token index in the batch
+    prefill_rows: torch.Tensor | None  # [P] int64 rows with several queries
+    prefill_tokens: torch.Tensor | None  # [sum q_len] int64, their tokens packed; None: all tokens
+    prefill_query_start_loc: torch.Tensor | None  # [P + 1] int32 over the packed tokens
+    max_prefill_query_len: int
+    max_prefill_kv_len: int
+    due: tuple[DueGroup, ...]
+    device_index: Any = None           # what the device's ops precompute once per step
+
+
+class DeviceOps(Protocol):
+    """What differs between devices; everything else is written once here."""
+
+    def cache_views(self, kv_cache: torch.Tensor) -> Any:
+        """An object with ``keys`` and ``values``: [num_blocks, block_size, num_kv_heads, head_size]."""
+
+    def step_index(self, step: H2OStep, block_size: int) -> Any:
+        """Per-step indices the device's accumulate reads in every layer (or None)."""
+
+    def accumulate(self, step: H2OStep, query: torch.Tensor, views: Any, scores: torch.Tensor,
+                   scale: float) -> None:
+        """Add this step's softmax probabilities, summed over each KV head's query group."""
+
+    def compact(self, views: Any, scores: torch.Tensor, block_table: torch.Tensor,
+                rows: torch.Tensor, keep: torch.Tensor) -> None:
+        """Move K, V and scores at KV positions keep[i, h] of row rows[i] to [0, target)."""
+
+
+def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
+    return t.to(dtype).to(device, non_blocking=True)
+
+
+def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps):
+    """vLLM's ``CommonAttentionMetadata`` moved into KV space, and the step's ``H2OStep``.
+
+    seq_lens (the kernel's key counts) and slot_mapping (where K/V are written) come from the
+    plan; RoPE positions stay logical (vLLM computes them from the logical positions)."""
+    num_rows = plan.query_lens.shape[0]
+    seq_lens = cm.seq_lens.clone()  # may be padded past num_rows: padding keeps vLLM's values
+    seq_lens[:num_rows] = plan.kv_seq_lens.to(seq_lens.dtype).to(seq_lens.device, non_blocking=True)
+    slots = kv_slot_mapping(plan, cm.block_table_tensor, cm.slot_mapping.shape[0], block_size)
+    cm = dataclasses.replace(cm, seq_lens=seq_lens, max_seq_len=int(plan.kv_seq_lens.max()),
+                             slot_mapping=slots)
+    step = make_step(plan, cm.block_table_tensor, slots, block_size)
+    return cm, dataclasses.replace(step, device_index=ops.step_index(step, block_size))
+
+
+def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
+              block_size: int) -> H2OStep:
+    """block_table: [>= num_rows, max_blocks] int32 on the device; kv_slots from kv_slot_mapping."""
+    device = block_table.device
+    query_lens, kv_seq_lens = plan.query_lens, plan.kv_seq_lens
+    new = kv_slots[:int(query_lens.sum())]
+    starts = plan.query_starts
+    decode = (query_lens == 1).nonzero().flatten()
+    prefill = (query_lens > 1).nonzero().flatten()
+    decode_rows = decode_tokens = prefill_rows = prefill_tokens = prefill_qsl = None
+    if decode.numel():
+        decode_rows, decode_tokens = _to(decode, device), _to(starts[decode], device)
+    max_q = max_kv = 0
+    if prefill.numel():
+        q = query_lens[prefill]
+        max_q, max_kv = int(q.max()), int(kv_seq_lens[prefill].max())
+        prefill_rows = _to(prefill, device)
+        prefill_qsl = _to(torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q, 0)]),
+                          device, torch.int32)
+        if decode.numel():  # with only prefill rows the batch's tokens are already packed
+            prefill_tokens = _to(torch.cat([torch.arange(int(s), int(s) + int(n))
+                                            for s, n in zip(starts[prefill], q)]), device)
+    return H2OStep(
+        plan=plan, block_table=block_table, kv_seq_lens=_to(kv_seq_lens, device, torch.int32),
+        new_blocks=new // block_size, new_offsets=new % block_size,
+        decode_rows=decode_rows, decode_tokens=decode_tokens, prefill_rows=prefill_rows,
+        prefill_tokens=prefill_tokens, prefill_query_start_loc=prefill_qsl,
+        max_prefill_query_len=max_q, max_prefill_kv_len=max_kv,
+        due=_due_groups(plan, block_table, block_size))
+
+
+def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
+    device = block_table.device
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for row in plan.due.nonzero().flatten().tolist():
+        key = (int(plan.kv_seq_lens[row]), int(plan.heavy[row]), int(plan.kv_lens_after[row]))
+        groups.setdefault(key, []).append(row)
+    out = []
+    for (kv_len, heavy, target), rows in groups.items():
+        pos = torch.arange(kv_len)
+        rows_d = _to(torch.tensor(rows), device)
+        blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
+        out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
+                            heavy=heavy, target=target))
+    return tuple(out)
+
+
+def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
+                              scores: torch.Tensor, scale: float) -> torch.Tensor:
+    """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
+    written; slots are reused across requests), add this step's probabilities, compact due rows.
+
+    ``target`` exceeds heavy + recent only when a recomputed request lands past a compaction
+    point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
+    head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
+    before and after compaction (for metrics, without a device sync).
+    """
+    scores[step.new_blocks, :, step.new_offsets] = 0.0
+    ops.accumulate(step, query, views, scores, scale)
+    mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
+    for group in step.due:
+        live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
+        keep = select_keep(live, group.heavy, group.target - group.heavy)       # [R, Hkv, target]
+        mass[0] += live.sum()
+        mass[1] += live.gather(-1, keep).sum()
+        ops.compact(views, scores, step.block_table, group.rows, keep)
+    return mass
+
+
+class DeferredMass:
+    """Attention mass of compacted rows for the metrics, read without stalling the GPU: copied
+    to pinned memory behind an event, recorded once the event has passed (CPU: at once)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, object]] = []
+
+    def push(self, mass: torch.Tensor) -> None:
+        if mass.device.type != "cuda":
+            self._record(mass)
+            return
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(mass, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((host, event))
+        while self._pending and self._pending[0][1].query():
+            self._record(self._pending.pop(0)[0])
+
+    @staticmethod
+    def _record(mass: torch.Tensor) -> None:
+        total, kept = mass.tolist()
+        metrics.recorder().add(evicted_attention_mass=total - kept, attention_mass=total)
