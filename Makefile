@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m h2o_vllm.demo
+	$(BIN)/python -m h2o_vllm.tools.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

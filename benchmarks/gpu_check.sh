@@ -112,7 +112,7 @@ if [ $MODE = bundle ]; then
   # The bundle's engine settings for every LLM the tests build; no CUDA-graph engine (no _C).
   ENGINE_PYTEST+=(-p gpu_bundle.pytest_bundle -k "not piecewise") LOAD_ARGS=(--bundle-settings)
 fi
-BENCH=("$PY" -m h2o_vllm.cli bench throughput --model "$MODELS/llama-8b-shape"
+BENCH=("$PY" -m h2o_vllm.frontend.cli bench throughput --model "$MODELS/llama-8b-shape"
        --load-format dummy --dtype bfloat16 --dataset-name random
        --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --num-prompts "$NUM_PROMPTS"
        --max-model-len $(( IN_LEN + OUT_LEN + 512 )) --block-size 16

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from h2o_vllm import models
+from h2o_vllm.tools import models
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def _git_state() -> dict:
 
 def build_tokenizer(out_dir: Path) -> dict:
     """SmolLM2-135M-Instruct's tokenizer files, from the model directory the project builds."""
-    from h2o_vllm import models
+    from h2o_vllm.tools import models
 
     src = models.smollm2_dir()
     out_dir.mkdir(parents=True)

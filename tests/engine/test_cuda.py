@@ -17,7 +17,7 @@ import torch
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, extra_args, oracle_config
 from engines import (check_block_lists, generate_ids, greedy, model_runner_of, random_prompts,
                      run_steps, scheduler_of, vllm_engine)
-from h2o_vllm.reference import H2OReference
+from h2o_vllm.oracle import H2OOracle
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 ON_GPU = torch.cuda.is_available()
@@ -57,7 +57,7 @@ PROMPTS = random_prompts(PROMPT_LENGTHS)
 def tiny_llama_dir(tmp_path_factory):
     """Two layers, not the suite's four: the interpreter's cost grows with every layer, and the
     second layer already attends over what the first one's eviction left."""
-    from h2o_vllm import models
+    from h2o_vllm.tools import models
     return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2-layers"),
                                    num_layers=2)
 
@@ -150,7 +150,7 @@ def test_cuda_budget_larger_than_every_sequence_is_stock_vllm(request, h2o_outpu
 @pytest.mark.parametrize("budget", BUDGET_NAMES + ["engine-default"])
 def test_cuda_h2o_matches_dense_oracle(h2o_outputs, hf_model, budget, stock_triton_outputs):
     config = oracle_config({**ENGINE_H2O, **BUDGETS.get(budget, {})}, BLOCK)
-    expected = H2OReference(hf_model, config).generate(PROMPTS, MAX_TOKENS)
+    expected = H2OOracle(hf_model, config).generate(PROMPTS, MAX_TOKENS)
     for length, got, want in zip(PROMPT_LENGTHS, h2o_outputs[budget], expected):
         assert got == want, f"prompt of {length} tokens diverges from the oracle"
     assert h2o_outputs[budget] != stock_triton_outputs  # the control: eviction changed something

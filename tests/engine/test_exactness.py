@@ -9,7 +9,7 @@ import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, extra_args, oracle_config
 from engines import generate_ids, greedy, random_prompts, vllm_engine
-from h2o_vllm.reference import H2OReference
+from h2o_vllm.oracle import H2OOracle
 
 MAX_TOKENS = 40
 # Shorter than the budget, at and around block boundaries, and several blocks long.
@@ -65,7 +65,7 @@ def test_budget_larger_than_every_sequence_is_stock_vllm(h2o_outputs, stock_outp
 def test_h2o_matches_dense_oracle(h2o_outputs, hf_model, budget, stock_outputs):
     block_size, outputs = h2o_outputs
     config = oracle_config(BUDGETS.get(budget, {}), block_size)
-    expected = H2OReference(hf_model, config).generate(PROMPTS, MAX_TOKENS)
+    expected = H2OOracle(hf_model, config).generate(PROMPTS, MAX_TOKENS)
     for length, got, want in zip(PROMPT_LENGTHS, outputs[budget], expected):
         assert got == want, f"prompt of {length} tokens diverges from the oracle"
     # The control: eviction really changed something, so this test could have failed.

@@ -4,7 +4,7 @@ disconnects, once with H2O on and once against stock vLLM (plugin not loaded, sa
 without ``h2o_*`` keys). Afterwards every KV block is free again (read from the engine's own
 /metrics), no request failed (nothing is retried; a failure prints its class and what the
 client saw), memory did not grow past a bound, and the server still answers. The long version
-is ``benchmarks/soak.py``; the client logic both use is ``h2o_vllm.soak``."""
+is ``benchmarks/soak.py``; the client logic both use is ``h2o_vllm.tools.soak``."""
 import asyncio
 import os
 
@@ -12,7 +12,7 @@ import pytest
 import requests
 from harness import Server
 
-from h2o_vllm import soak
+from h2o_vllm.tools import soak
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64                 # 1024 KV slots for 16 clients of up to 320 + 128 tokens

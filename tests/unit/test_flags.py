@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from h2o_vllm import flags
+from h2o_vllm.frontend import flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,13 +101,13 @@ def test_flags_in_vllm_engine_parser_fold_at_parse_time():
     ({"h2o_heavy_tokens": "8"}, "h2o_heavy_tokens"),
 ])
 def test_request_overrides_bad_values_raise_value_error(extra_args, match):
-    from h2o_vllm.vllm_hooks import check_request_overrides
+    from h2o_vllm.frontend.requests import check_request_overrides
     with pytest.raises(ValueError, match=match):
         check_request_overrides({"h2o": {}}, extra_args)
 
 
 def test_request_overrides_need_h2o_on():
-    from h2o_vllm.vllm_hooks import check_request_overrides
+    from h2o_vllm.frontend.requests import check_request_overrides
     with pytest.raises(ValueError, match="off"):
         check_request_overrides({}, {"h2o_heavy_ratio": 0.1})
     check_request_overrides({}, {"unrelated": 1})

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from h2o_vllm import models
+from h2o_vllm.tools import models
 
 GPL3_START = "This program is free software: you can redistribute it and/or modify"
 

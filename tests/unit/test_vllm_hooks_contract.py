@@ -380,7 +380,7 @@ def test_cpu_attention_selector_returns_h2o_backend(registered):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from h2o_vllm.worker.backend import H2OCPUAttentionBackend
+    from h2o_vllm.worker.cpu.backend import H2OCPUAttentionBackend
     config = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype="auto",
                                      block_size=16)
     for selected in (None, AttentionBackendEnum.CPU_ATTN):
@@ -428,7 +428,7 @@ def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
 
 def test_pure_modules_import_no_vllm():
     # The pure modules, and the oracle: the independent side of every engine test.
-    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.reference; "
+    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.oracle; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
