@@ -12,11 +12,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from h2o_vllm.kernels import reference  # noqa: E402
+from h2o_vllm.kernels import twins  # noqa: E402
 from h2o_vllm.kernels import compact as compact_kernels  # noqa: E402
-from h2o_vllm.kernels import scores as score_kernels  # noqa: E402
+from h2o_vllm.kernels import decode_scores, prefill_scores  # noqa: E402
 
-_INTERPRETED = type(score_kernels.accumulate_decode_scores_kernel).__name__ == "InterpretedFunction"
+_INTERPRETED = type(decode_scores.accumulate_decode_scores_kernel).__name__ == "InterpretedFunction"
 if not _INTERPRETED and not torch.cuda.is_available():
     pytest.skip("Triton kernels were compiled (TRITON_INTERPRET unset when first imported) and "
                 "there is no GPU", allow_module_level=True)
@@ -88,10 +88,10 @@ def test_accumulate_decode_scores_matches_torch(head_size, group, block_size, dt
     key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
     query = make_query(len(kv_lens), NUM_KV_HEADS * group, head_size, dtype)
     expected = scores.clone()
-    reference.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), expected,
+    twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), expected,
                                        head_size ** -0.5)
     assert not torch.equal(expected, scores)
-    score_kernels.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
+    decode_scores.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
                                            head_size ** -0.5, block_n=32)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
@@ -110,11 +110,11 @@ def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, d
     args = (query, key_cache, block_table, query_start_loc, int32(kv_lens))
     scale = head_size ** -0.5
     # Small tiles so every loop runs several times and ends ragged.
-    lse = score_kernels.prefill_lse(*args, scale, block_m=16, block_n=16)
-    torch.testing.assert_close(lse, reference.prefill_lse(*args, scale), rtol=1e-5, atol=1e-4)
+    lse = prefill_scores.prefill_lse(*args, scale, block_m=16, block_n=16)
+    torch.testing.assert_close(lse, twins.prefill_lse(*args, scale), rtol=1e-5, atol=1e-4)
     expected = scores.clone()
-    reference.accumulate_prefill_scores(*args, expected, scale)
-    score_kernels.accumulate_prefill_scores(*args, scores, scale, block_m=16, block_n=16)
+    twins.accumulate_prefill_scores(*args, expected, scale)
+    prefill_scores.accumulate_prefill_scores(*args, scores, scale, block_m=16, block_n=16)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
 
@@ -136,7 +136,7 @@ def test_compact_rows_matches_torch(head_size, group, block_size, dtype):
     keep_idx = torch.stack([keep_patterns(kv_lens[r], target, gen) for r in rows]).to(DEVICE)
     before = [dense_row_keys(key_cache, block_table, r, kv_lens[r]) for r in rows]
     expected = [t.clone() for t in (key_cache, value_cache, scores)]
-    reference.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
+    twins.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
     compact_kernels.compact_rows(key_cache, value_cache, scores, block_table,
                                  int32(rows), keep_idx, block_t=16)
     for got, want in zip((key_cache, value_cache, scores), expected):
@@ -172,11 +172,11 @@ def test_reference_scores_match_dense_softmax(decode):
     query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, torch.float32)
     before = scores.clone()
     if decode:
-        reference.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
+        twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
                                            0.3)
     else:
         query_start_loc = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
-        reference.accumulate_prefill_scores(query, key_cache, block_table, query_start_loc,
+        twins.accumulate_prefill_scores(query, key_cache, block_table, query_start_loc,
                                             int32(kv_lens), scores, 0.3)
     keys = [dense_row_keys(key_cache, block_table, r, n) for r, n in enumerate(kv_lens)]
     dense = dense_scores(query.cpu(), [k.cpu() for k in keys], q_lens, kv_lens, group, 0.3)
@@ -200,7 +200,7 @@ def test_reference_compact_rows_matches_dense_gather():
     dense = [dense_row_keys(c, block_table, 0, 11) for c in (key_cache, value_cache)]
     dense_s = torch.stack([scores[int(block_table[0, t // block_size]), :, t % block_size]
                            for t in range(11)])
-    reference.compact_rows(key_cache, value_cache, scores, block_table,
+    twins.compact_rows(key_cache, value_cache, scores, block_table,
                            torch.tensor([0], device=DEVICE), keep_idx)
     for h in range(NUM_KV_HEADS):
         idx = keep_idx[0, h].cpu()
@@ -217,7 +217,7 @@ def test_launchers_reject_bad_inputs():
     key_cache, value_cache, scores, block_table = make_cache([5], 64, 16, torch.float32)
     query = make_query(1, 2, 64, torch.float32)
     lens = int32([5])
-    decode = score_kernels.accumulate_decode_scores
+    decode = decode_scores.accumulate_decode_scores
     with pytest.raises(TypeError, match="scores must be float32"):
         decode(query, key_cache, block_table, lens, scores.bfloat16(), 1.0)
     with pytest.raises(ValueError, match="block_table must be"):

@@ -1,14 +1,12 @@
-"""Triton kernels that add this step's attention probabilities into the H2O score buffer.
-
-Runs in the worker process (CUDA path). Cache layout as vLLM's GPU backends (FlashAttention /
-Triton attention): key_cache [num_blocks, block_size, num_kv_heads, head_size]; scores
-[num_blocks, num_kv_heads, block_size] fp32, KV-space. See ARCHITECTURE.md, "Score".
+"""Triton kernels that add a prefill step's causal attention probabilities into the H2O score
+buffer (worker process, CUDA path): ``prefill_lse`` (pass 1) and ``accumulate_prefill_scores``.
 
 Every (row, KV head, KV position) of ``scores`` is written by exactly one program, so no atomics
 and the result is deterministic; this relies on rows not sharing blocks (prefix caching is off
 while H2O is on). Probabilities are recomputed from Q and K: the attention kernel does not
 return them. Math is fp32 whatever the cache dtype: Q and K are upcast on load (see
-``dot_precision``); softmax uses exp2 with log2(e) folded into the scale.
+``dot_precision``); softmax uses exp2 with log2(e) folded into the scale. Layouts: see
+``h2o_vllm.kernels.tiles``.
 """
 from __future__ import annotations
 
@@ -17,71 +15,7 @@ import triton
 import triton.language as tl
 
 from h2o_vllm.kernels import check_lens, check_paged, check_query, check_tile, dot_precision
-
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                   stride_kb, stride_ks, stride_kh, block_size):
-    """K at KV positions offs_n of one row and KV head, upcast to fp32 (masked lanes are 0).
-
-    bt_row points at the row's block-table entries. Also returns each position's block (int64),
-    which the caller needs to address the same positions in ``scores``.
-    """
-    blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-    k = tl.load(key_cache + blk[:, None] * stride_kb
-                + (offs_n % block_size)[:, None] * stride_ks
-                + kv_head * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    return blk, k
-
-
-@triton.jit
-def accumulate_decode_scores_kernel(
-        query, key_cache, block_table, kv_seq_lens, scores, scale_log2,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-        stride_sb, stride_sh, stride_ss, block_size,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
-        HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # One program per (row, KV head): the whole GQA group at once, so K is shared by the group.
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    kv_len = tl.load(kv_seq_lens + row)
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_PAD)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_SIZE
-    q = tl.load(query + row.to(tl.int64) * stride_qt
-                + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    bt_row = block_table + row.to(tl.int64) * stride_bt
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    # Pass 1: running max and sum of exp2 per query head (online softmax).
-    for n0 in range(0, kv_len, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_len
-        _, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                              stride_kb, stride_ks, stride_kh, block_size)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-        m_i = m_new
-    # Pass 2: exact probabilities, summed over the group, added at the row's slots.
-    # l_i >= 1 whenever kv_len > 0 (the max term is exp2(0)); the floor only spares padding rows.
-    inv_l = tl.where(g_mask, 1.0 / tl.maximum(l_i, 1.0), 0.0)
-    for n0 in range(0, kv_len, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_len
-        blk, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                                stride_kb, stride_ks, stride_kh, block_size)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]
-        col = tl.sum(p, axis=0)
-        ptr = scores + blk * stride_sb + kv_head * stride_sh + (offs_n % block_size) * stride_ss
-        tl.store(ptr, tl.load(ptr, mask=n_mask, other=0.0) + col, mask=n_mask)
+from h2o_vllm.kernels.tiles import LOG2E, load_key_tile
 
 
 @triton.jit
@@ -119,8 +53,8 @@ def prefill_lse_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        _, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                              stride_kb, stride_ks, stride_kh, block_size)
+        _, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                             stride_kb, stride_ks, stride_kh, block_size)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         # Key 0 is visible to every query (padded ones too), so m_i is finite after tile 0.
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -156,8 +90,8 @@ def accumulate_prefill_scores_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_SIZE
     bt_row = block_table + row.to(tl.int64) * stride_bt
-    blk, k = _load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_kb, stride_ks, stride_kh, block_size)
+    blk, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                           stride_kb, stride_ks, stride_kh, block_size)
     acc = tl.zeros([BLOCK_N], tl.float32)
     # Queries j < n0 - ctx_len see none of these keys (causal): start at the first that can.
     first = tl.maximum(n0 - ctx_len, 0) * GROUP
@@ -178,36 +112,6 @@ def accumulate_prefill_scores_kernel(
         acc += tl.sum(p, axis=0)
     ptr = scores + blk * stride_sb + kv_head * stride_sh + (offs_n % block_size) * stride_ss
     tl.store(ptr, tl.load(ptr, mask=n_mask, other=0.0) + acc, mask=n_mask)
-
-
-def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
-                             block_table: torch.Tensor, kv_seq_lens: torch.Tensor,
-                             scores: torch.Tensor, scale: float, *, block_n: int = 64) -> None:
-    """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t].
-
-    query: [num_rows, num_q_heads, head_size], one decode query per row.
-    One program per (row, KV head) holds the whole GQA group's queries and makes two passes
-    over the row's keys (online max/sum, then probabilities): K read twice, scores read and
-    written once, no split over the key axis (parallelism num_rows * num_kv_heads). Rows with
-    kv_seq_lens 0 (padding) are no-ops.
-    """
-    _, _, num_kv_heads, head_size = check_paged("key_cache", key_cache, block_table, scores)
-    check_tile(block_n=block_n)
-    group = check_query(query, key_cache, num_kv_heads)
-    num_rows = query.shape[0]
-    if block_table.shape[0] < num_rows:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows, query {num_rows}")
-    check_lens("kv_seq_lens", kv_seq_lens, num_rows, key_cache.device)
-    if num_rows == 0:
-        return
-    accumulate_decode_scores_kernel[(num_rows, num_kv_heads)](
-        query, key_cache, block_table, kv_seq_lens, scores, float(scale) * _LOG2E,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
-        key_cache.stride(2), block_table.stride(0),
-        scores.stride(0), scores.stride(1), scores.stride(2), key_cache.shape[1],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
-        HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype))
 
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
@@ -233,7 +137,7 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
         return lse
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     prefill_lse_kernel[grid](
-        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, float(scale) * _LOG2E,
+        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, float(scale) * LOG2E,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_table.stride(0), lse.stride(0), lse.stride(1),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
@@ -269,7 +173,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     grid = (num_rows, num_kv_heads, triton.cdiv(max_kv_len, block_n))
     accumulate_prefill_scores_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores,
-        float(scale) * _LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
+        float(scale) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1), scores.stride(2),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,

@@ -1,0 +1,30 @@
+"""Shared pieces of the score kernels (worker process, CUDA path): the paged key-tile load and
+log2(e).
+
+Cache layout as vLLM's GPU backends (FlashAttention / Triton attention): key_cache [num_blocks,
+block_size, num_kv_heads, head_size]; scores [num_blocks, num_kv_heads, block_size] fp32,
+KV-space. See ARCHITECTURE.md, "Score".
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Softmax runs in exp2, with log2(e) folded into the scale.
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                  stride_kb, stride_ks, stride_kh, block_size):
+    """K at KV positions offs_n of one row and KV head, upcast to fp32 (masked lanes are 0).
+
+    bt_row points at the row's block-table entries. Also returns each position's block (int64),
+    which the caller needs to address the same positions in ``scores``.
+    """
+    blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    k = tl.load(key_cache + blk[:, None] * stride_kb
+                + (offs_n % block_size)[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    return blk, k
