@@ -1,4 +1,5 @@
-"""GPU cost of H2O's per-layer work on the CUDA path (h2o_vllm.worker.cuda_step), without vLLM.
+"""GPU cost of H2O's per-layer work on the CUDA path (h2o_vllm.worker.step with the Triton
+ops, h2o_vllm.worker.cuda.ops.TritonOps), without vLLM.
 
 Times, per layer and step, with CUDA events: decode score accumulation over a batch of rows,
 the same with every row compacted, and prefill score accumulation of one long prompt; beside a
@@ -15,8 +16,10 @@ import os
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
-from h2o_vllm.worker import cuda_step  # noqa: E402
-from h2o_vllm.worker.plan import make_step_plan  # noqa: E402
+from h2o_vllm.config import Budget  # noqa: E402
+from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps  # noqa: E402
+from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan  # noqa: E402
+from h2o_vllm.worker.step import make_step, update_scores_and_compact  # noqa: E402
 
 
 def _time_ms(fn, reps=20) -> float:
@@ -40,8 +43,8 @@ def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype=
         budget = kv_len - (block if due else block // 2)
         start = max(prompt, budget + block)
         computed = start + (block - 1 if due else block // 2 - 1)
-    plan = make_step_plan(t(computed), t(q_len), t(prompt), t(budget // 2),
-                          t(budget - budget // 2), t(block))
+    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block)] * rows
+    plan = make_step_plan(t(computed), t(q_len), t(prompt), budgets)
     assert plan.kv_seq_lens.tolist() == [kv_len] * rows and bool(plan.due.all()) == due
     blocks_per_row = -(-int(plan.kv_seq_lens.max()) // block)
     num_blocks = rows * blocks_per_row + 1
@@ -52,11 +55,11 @@ def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype=
     scores = torch.zeros(num_blocks, num_kv_heads, block, device="cuda")
     num_tokens = int(plan.query_lens.sum())
     query = torch.randn(num_tokens, num_kv_heads * group, head_size, dtype=dtype, device="cuda")
-    slots = cuda_step.kv_slot_mapping(plan, table, torch.empty(num_tokens, dtype=torch.int64), block)
-    step = cuda_step.make_cuda_step(plan, table, slots, block)
+    slots = kv_slot_mapping(plan, table, num_tokens, block)
+    step = make_step(plan, table, slots, block)
+    ops, views = TritonOps(head_size), TritonCacheViews(keys, values)
     scale = head_size ** -0.5
-    h2o_ms = _time_ms(lambda: cuda_step.update_scores_and_compact(step, query, keys, values, scores,
-                                                                  table, scale))
+    h2o_ms = _time_ms(lambda: update_scores_and_compact(step, ops, query, views, scores, scale))
     # Yardstick: dense SDPA of the same queries over contiguous keys of the same length.
     kv = int(plan.kv_seq_lens[0])
     q = torch.randn(rows, num_kv_heads * group, q_len, head_size, dtype=dtype, device="cuda")

@@ -1,7 +1,7 @@
 """Quality against the full cache: H2O vs "Local" (recent only) at the same budgets, real text.
 
 (a) streaming perplexity: teacher-forced log-probs of a continuation of real text with eviction
-    running, through the dense oracle (h2o_vllm.reference, one token per step, interval 1);
+    running, through the dense oracle (h2o_vllm.oracle, one token per step, interval 1);
 (b) greedy generations through vLLM compared with stock vLLM (full cache): token agreement
     and ROUGE-L;
 (c) pass-key retrieval: a number stated at the start of a long prompt of real text, asked at
@@ -64,7 +64,7 @@ def policies(budgets: list[float]) -> list[tuple[str, str, float | None]]:
 
 
 def available_texts(names: str) -> dict[str, list[int]]:
-    from h2o_vllm import bench
+    from h2o_vllm.tools import bench
     texts = {}
     for name in names.split(","):
         try:
@@ -120,7 +120,7 @@ def run_engine(job: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from h2o_vllm import bench
+    from h2o_vllm.tools import bench
 
     a = job["args"]
     extra = {"additional_config": {"h2o": {"heavy_ratio": 0.1, "recent_ratio": 0.1}}} if job["h2o"] else {}
@@ -180,9 +180,9 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from h2o_vllm import bench
+    from h2o_vllm.tools import bench
     from h2o_vllm.config import H2OConfig
-    from h2o_vllm.reference import H2OReference
+    from h2o_vllm.oracle import H2OOracle
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -192,7 +192,8 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
         ids = tokenizer.encode(text, add_special_tokens=False)
         for label, policy, budget in labels:
             h2o = bench.h2o_config(policy, budget) if policy != "full" else None
-            ref = H2OReference(model, H2OConfig.from_dict(h2o) if h2o else None)
+            # interval 1: the paper's per-step eviction (what these numbers always were), not one block.
+            ref = H2OOracle(model, H2OConfig.from_dict({**h2o, "interval": 1}) if h2o else None)
             nll, count, started = 0.0, 0, time.perf_counter()
             for w in windows(ids, args.ppl_windows, length):
                 logprobs = ref.score(w[:args.ppl_prompt_len], w[args.ppl_prompt_len:])
@@ -207,10 +208,10 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.one:
-        from h2o_vllm import bench
+        from h2o_vllm.tools import bench
         bench.run_job_file(args.one, run_engine)
         return {}
-    from h2o_vllm import bench, models
+    from h2o_vllm.tools import bench, models
 
     model = args.model or str(models.smollm2_dir())
     host = socket.gethostname()

@@ -75,8 +75,10 @@ def install(arch: int = 90) -> None:
 
 def h2o_step(rows, kv_len, q_len, due, kv_heads, group, head, dtype, block=16):
     """One layer's update_scores_and_compact (as benchmarks/cuda_step_timing.py builds it)."""
-    from h2o_vllm.worker import cuda_step
-    from h2o_vllm.worker.plan import make_step_plan
+    from h2o_vllm.config import Budget
+    from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps
+    from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan
+    from h2o_vllm.worker.step import make_step, update_scores_and_compact
 
     def t(v):
         return torch.full((rows,), v, dtype=torch.int64)
@@ -85,8 +87,8 @@ def h2o_step(rows, kv_len, q_len, due, kv_heads, group, head, dtype, block=16):
     else:
         prompt, budget = 64, kv_len - (block if due else block // 2)
         computed = max(prompt, budget + block) + (block - 1 if due else block // 2 - 1)
-    plan = make_step_plan(t(computed), t(q_len), t(prompt), t(budget // 2),
-                          t(budget - budget // 2), t(block))
+    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block)] * rows
+    plan = make_step_plan(t(computed), t(q_len), t(prompt), budgets)
     per_row = -(-int(plan.kv_seq_lens.max()) // block)
     num_blocks = rows * per_row + 1
     table = (torch.arange(rows * per_row) + 1).view(rows, -1).to(torch.int32)
@@ -94,9 +96,10 @@ def h2o_step(rows, kv_len, q_len, due, kv_heads, group, head, dtype, block=16):
     scores = torch.zeros(num_blocks, kv_heads, block)
     tokens = int(plan.query_lens.sum())
     query = torch.zeros(tokens, kv_heads * group, head, dtype=dtype)
-    slots = cuda_step.kv_slot_mapping(plan, table, torch.empty(tokens, dtype=torch.int64), block)
-    step = cuda_step.make_cuda_step(plan, table, slots, block)
-    cuda_step.update_scores_and_compact(step, query, keys, keys.clone(), scores, table, head ** -0.5)
+    slots = kv_slot_mapping(plan, table, tokens, block)
+    step = make_step(plan, table, slots, block)
+    update_scores_and_compact(step, TritonOps(head), query, TritonCacheViews(keys, keys.clone()),
+                              scores, head ** -0.5)
 
 
 def vllm_attention(kv_heads, group, head, dtype, block=16):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 # Any plugin name but ours: the spawned engine core and workers then run stock vLLM.
-from h2o_vllm.soak import STOCK_PLUGINS
+from h2o_vllm.tools.soak import STOCK_PLUGINS
 
 
 @contextlib.contextmanager
@@ -106,7 +106,8 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
         rid = request.request_id
         config = H2OConfig.from_dict(engine_h2o).with_overrides(
             {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items()})
-        kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, config, block_size)
+        budget = config.budget(request.num_prompt_tokens, block_size)
+        kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
         held = [b.block_id for b in manager.req_to_blocks[rid]]
         assert len(held) == cdiv(kv_len, block_size)
         assert held == runner.requests[rid].block_ids[0]

@@ -69,8 +69,8 @@ def test_admission_leaves_room_so_h2o_never_preempts_under_overload(h2o_llm):
     lockstep towards their next compaction. Admissions keep room for that growth
     (H2OManager.admission_headroom: each sequence's peak is known), so nothing is ever
     recomputed; without the reserve this workload preempted 203 times."""
-    config = H2OConfig.from_dict(H2O)
-    peak_blocks = cdiv(peak_kv_len(LONG_PROMPT, LONG_PROMPT + LONG_OUTPUT, config, BLOCK), BLOCK)
+    budget = H2OConfig.from_dict(H2O).budget(LONG_PROMPT, BLOCK)
+    peak_blocks = cdiv(peak_kv_len(LONG_PROMPT, LONG_PROMPT + LONG_OUTPUT, budget), BLOCK)
     running, preemptions = _drive_counting(h2o_llm, 3 * NUM_LONG)
     print(f"H2O 20%, {3 * NUM_LONG} requests: running mean {sum(running) / len(running):.1f} "
           f"peak {max(running)} (pool holds {POOL // peak_blocks} at their peak); preemptions {preemptions}")

@@ -10,7 +10,7 @@ from budgets import extra_args, oracle_config
 from engines import greedy, random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.reference import H2OReference
+from h2o_vllm.oracle import H2OOracle
 
 BLOCK = 32
 ENGINE_H2O = {"heavy_ratio": 0.1, "recent_ratio": 0.1}
@@ -30,7 +30,7 @@ def hf_model(tiny_llama_dir):
 
 
 def _oracle(hf_model, prompts, max_tokens, budget=None):
-    return H2OReference(hf_model, oracle_config(budget or ENGINE_H2O, BLOCK)).generate(prompts, max_tokens)
+    return H2OOracle(hf_model, oracle_config(budget or ENGINE_H2O, BLOCK)).generate(prompts, max_tokens)
 
 
 def _free(llm) -> int:
@@ -114,10 +114,10 @@ def _step_until_finished(llm, request_id, prompt, params):
 
 
 def _finishing_step_compacts():
-    config = H2OConfig.from_dict(STOP_BUDGET)
+    budget = H2OConfig.from_dict(STOP_BUDGET).budget(PROMPT_LEN, BLOCK)
     processed = PROMPT_LEN + FINISH_AT - 1
-    assert kv_len_after(processed - 1, PROMPT_LEN, config, BLOCK) == processed - 1
-    assert kv_len_after(processed, PROMPT_LEN, config, BLOCK) < processed
+    assert kv_len_after(processed - 1, PROMPT_LEN, budget) == processed - 1
+    assert kv_len_after(processed, PROMPT_LEN, budget) < processed
 
 
 @pytest.mark.parametrize("how", ["max_tokens", "stop_token_ids", "stop"])

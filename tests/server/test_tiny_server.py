@@ -88,8 +88,10 @@ def _expected(prompt_len: int, num_generated: int, config: H2OConfig) -> dict[st
     """What the engine evicts for one request, from the shared policy: the worker compacts
     after a step when the live length falls; the scheduler frees the tail blocks at the
     next schedule (none after the last step: the request ends and frees everything)."""
+    budget = config.budget(prompt_len, BLOCK_SIZE)
+
     def kv(t):
-        return kv_len_after(t, prompt_len, config, BLOCK_SIZE)
+        return kv_len_after(t, prompt_len, budget)
     # Steps: the prefill (0 -> prompt_len tokens processed), then one token per decode step;
     # the last sampled token is never processed.
     steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, prompt_len + num_generated - 1)]
@@ -122,8 +124,8 @@ def test_request_budget_sets_evicted_counts_and_metrics(server, xargs):
     assert result is not None, (expected, now, before)
     # The live KV length the request ended with is its budget, as the policy says.
     processed = usage.prompt_tokens + usage.completion_tokens - 1
-    assert processed - expected["evicted_tokens"] == kv_len_after(processed, usage.prompt_tokens, config,
-                                                                  BLOCK_SIZE)
+    budget = config.budget(usage.prompt_tokens, BLOCK_SIZE)
+    assert processed - expected["evicted_tokens"] == kv_len_after(processed, usage.prompt_tokens, budget)
     mass = now["attention_mass_total"] - before["attention_mass_total"]
     dropped = now["evicted_attention_mass_total"] - before["evicted_attention_mass_total"]
     assert 0 < dropped < mass

@@ -1,4 +1,4 @@
-"""A deliberately naive H2O, written apart from ``h2o_vllm.reference`` to cross-check it.
+"""A deliberately naive H2O, written apart from ``h2o_vllm.oracle`` to cross-check it.
 
 Test-only. Nothing is cached: every step reruns the Hugging Face model's own (eager) forward over
 ALL tokens so far. Eviction is a per-(layer, KV head) record of when each token was dropped; a
@@ -6,7 +6,9 @@ forward hook turns it into a per-layer, per-query-head additive mask in which ev
 exactly the tokens that were live when that query ran, so the recomputed hidden states equal the
 original ones. Scores are recomputed from scratch at every step as column sums of all recorded
 probabilities; compaction is an explicit Python loop; the cadence is the closed form
-``kv_len(n) = n if n < start else heavy + recent + (n - start) % interval``.
+``kv_len(n) = n if n < start else heavy + recent + (n - start) % interval``. The budget is
+resolved here from the config's parts, and an unset interval is one KV block (``block_size``),
+as vLLM and the oracle resolve it.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ NEVER = math.inf
 class NaiveH2O:
     """One sequence of naive H2O on ``model`` (an eager-attention HF Llama)."""
 
-    def __init__(self, model, config: H2OConfig | None, prompt: list[int]) -> None:
+    def __init__(self, model, config: H2OConfig | None, prompt: list[int], *,
+                 block_size: int | None = None) -> None:
         assert model.config._attn_implementation == "eager", "needs eager attention weights"
         self.model = model
         self.config = config
@@ -37,8 +40,13 @@ class NaiveH2O:
         self.dropped_at = [[[] for _ in range(self.num_kv)] for _ in range(self.num_layers)]
         self.scores: list[list[list[float]]] = []
         if config is not None:
-            self.heavy, self.recent = config.budget(self.prompt_len)
-            self.interval = config.resolved_interval(None)
+            self.heavy = config.part_budget("heavy", self.prompt_len)
+            self.recent = config.part_budget("recent", self.prompt_len)
+            if config.interval is not None:
+                self.interval = config.interval
+            else:
+                assert block_size is not None, "an unset interval is one KV block: pass block_size"
+                self.interval = block_size
         self.logits = self._step(list(prompt))
 
     def _mask(self, layer: int) -> torch.Tensor:
@@ -136,9 +144,10 @@ class NaiveH2O:
         return n if n < start else self.heavy + self.recent + (n - start) % self.interval
 
 
-def naive_generate(model, config: H2OConfig | None, prompt: list[int], max_new_tokens: int) -> tuple[list[int], NaiveH2O]:
+def naive_generate(model, config: H2OConfig | None, prompt: list[int], max_new_tokens: int, *,
+                   block_size: int | None = None) -> tuple[list[int], NaiveH2O]:
     """Greedy generation; the last generated token is not fed (as in the oracle)."""
-    run = NaiveH2O(model, config, prompt)
+    run = NaiveH2O(model, config, prompt, block_size=block_size)
     out = []
     while True:
         out.append(int(run.logits.argmax()))
@@ -147,9 +156,10 @@ def naive_generate(model, config: H2OConfig | None, prompt: list[int], max_new_t
         run.feed(out[-1])
 
 
-def naive_score(model, config: H2OConfig | None, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def naive_score(model, config: H2OConfig | None, prompt: list[int], continuation: list[int], *,
+                block_size: int | None = None) -> torch.Tensor:
     """Teacher-forced log-probabilities of ``continuation``."""
-    run = NaiveH2O(model, config, prompt)
+    run = NaiveH2O(model, config, prompt, block_size=block_size)
     out = []
     for i, token in enumerate(continuation):
         out.append(torch.log_softmax(run.logits, -1)[token])

@@ -6,7 +6,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from h2o_vllm.config import DEFAULT_RATIO, H2OConfig
+from h2o_vllm.config import DEFAULT_RATIO, Budget, H2OConfig
 
 KEYS = ["heavy_ratio", "recent_ratio", "heavy_tokens", "recent_tokens", "interval"]
 RATIO_KEYS = ["heavy_ratio", "recent_ratio"]
@@ -134,20 +134,21 @@ def test_valid_configs_accepted(data):
 
 def test_defaults_are_the_papers_budget():
     cfg = H2OConfig.from_dict({})
-    assert cfg.budget(1000) == (100, 100)
+    assert cfg.budget(1000, 16) == Budget(heavy=100, recent=100, interval=16)
+    assert cfg.budget(1000, 16).tokens == 200
     assert DEFAULT_RATIO == 0.1
 
 
 def test_mixed_heavy_ratio_recent_tokens_budget():
     cfg = H2OConfig.from_dict({"heavy_ratio": 0.25, "recent_tokens": 7})
-    assert cfg.budget(100) == (25, 7)
-    assert cfg.budget(3) == (1, 7)
+    assert cfg.budget(100, 16) == Budget(heavy=25, recent=7, interval=16)
+    assert cfg.budget(3, 16) == Budget(heavy=1, recent=7, interval=16)
 
 
 def test_recent_only_budget():
     cfg = H2OConfig.from_dict({"heavy_ratio": 0, "recent_ratio": 0.2})
-    assert cfg.budget(100) == (0, 20)
-    assert cfg.budget(1) == (0, 1)
+    assert cfg.budget(100, 16) == Budget(heavy=0, recent=20, interval=16)
+    assert cfg.budget(1, 16) == Budget(heavy=0, recent=1, interval=16)
 
 
 # --------------------------------------------------------------------------- dict round trip
@@ -228,14 +229,25 @@ def test_part_budget_properties(ratio, prompt_len):
 @given(tokens=st.integers(0, 10**6), prompt_len=st.integers(0, 10**6))
 def test_token_parts_ignore_prompt_len(tokens, prompt_len):
     cfg = H2OConfig(heavy_tokens=tokens, recent_tokens=tokens + 1)
-    assert cfg.budget(prompt_len) == (tokens, tokens + 1)
+    budget = cfg.budget(prompt_len, 16)
+    assert (budget.heavy, budget.recent) == (tokens, tokens + 1)
+    assert budget.tokens == 2 * tokens + 1
 
 
-def test_resolved_interval():
-    assert H2OConfig().resolved_interval(16) == 16
-    assert H2OConfig().resolved_interval(None) == 1
-    assert H2OConfig(interval=5).resolved_interval(16) == 5
-    assert H2OConfig(interval=5).resolved_interval(None) == 5
+def test_budget_interval():
+    # Unset interval: one KV block, whatever the block size; a set interval wins over it.
+    assert H2OConfig().budget(100, 16).interval == 16
+    assert H2OConfig().budget(100, 1).interval == 1
+    assert H2OConfig().budget(100, 32).interval == 32
+    assert H2OConfig(interval=5).budget(100, 16).interval == 5
+    assert H2OConfig(interval=5).budget(100, 1).interval == 5
+    assert H2OConfig(interval=1).budget(100, 16).interval == 1
+
+
+def test_budget_is_frozen():
+    budget = H2OConfig().budget(100, 16)
+    with pytest.raises(AttributeError):
+        budget.heavy = 3
 
 
 # --------------------------------------------------------------------------- fuzz
@@ -276,5 +288,6 @@ def test_from_dict_returns_config_or_raises_value_error_mentioning_h2o(data):
         return
     assert isinstance(cfg, H2OConfig)
     assert H2OConfig.from_dict(cfg.to_dict()) == cfg
-    heavy, recent = cfg.budget(100)
-    assert heavy >= 0 and recent >= 0 and heavy + recent >= 1
+    budget = cfg.budget(100, 16)
+    assert budget.heavy >= 0 and budget.recent >= 0 and budget.tokens >= 1
+    assert budget.interval >= 1

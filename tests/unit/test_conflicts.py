@@ -1,4 +1,4 @@
-"""Conflicts H2O refuses before the model loads (h2o_vllm.conflicts): pure logic over vLLM's
+"""Conflicts H2O refuses before the model loads (h2o_vllm.frontend.conflicts): pure logic over vLLM's
 config objects, real ones where they build without a model, stand-ins for the model's attention.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from h2o_vllm import conflicts
+from h2o_vllm.frontend import conflicts
 from h2o_vllm.config import H2OConfig
 
 H2O = H2OConfig()
@@ -146,8 +146,9 @@ def test_real_model_config_of_a_sliding_window_model(tiny_llama_dir, tmp_path):
     ({}, 1024, 16, True),                                   # ratios: a 1-token prompt keeps 1 + 1
     ({"heavy_tokens": 500, "recent_tokens": 508}, 1024, 16, True),  # 1024 exactly: evicts at 1024
     ({"heavy_tokens": 500, "recent_tokens": 509}, 1024, 16, False),
-    ({"heavy_tokens": 500, "recent_tokens": 500, "interval": 24}, 1024, None, True),
-    ({"heavy_tokens": 500, "recent_tokens": 500, "interval": 25}, 1024, None, False),
+    # A set interval wins over the block size (which alone would give the other answer).
+    ({"heavy_tokens": 500, "recent_tokens": 500, "interval": 24}, 1024, 64, True),
+    ({"heavy_tokens": 500, "recent_tokens": 500, "interval": 25}, 1024, 16, False),
     ({"heavy_tokens": 2000, "recent_ratio": 0.1}, 1024, 16, False),
     ({"heavy_ratio": 1.0, "recent_ratio": 1.0}, 1024, 16, True),  # ratio parts grow with the prompt
     ({"heavy_ratio": 0.0, "recent_tokens": 1000}, 1024, 32, False),
@@ -163,18 +164,21 @@ def test_budget_must_fit_max_model_len(h2o, max_model_len, block_size, fits):
 
 
 @settings(max_examples=300, deadline=None)
-@given(heavy=st.integers(0, 3000), recent=st.integers(0, 3000), interval=st.integers(1, 3000),
-       max_model_len=st.integers(1, 4096))
-def test_budget_refused_exactly_when_no_sequence_can_be_evicted(heavy, recent, interval, max_model_len):
+@given(heavy=st.integers(0, 3000), recent=st.integers(0, 3000),
+       interval=st.one_of(st.none(), st.integers(1, 3000)),
+       block_size=st.sampled_from([1, 16, 32, 256, 2048]), max_model_len=st.integers(1, 4096))
+def test_budget_refused_exactly_when_no_sequence_can_be_evicted(heavy, recent, interval, block_size,
+                                                                max_model_len):
     """The refusal agrees with the policy: some sequence of at most max_model_len tokens is
     compacted (the longest prompt is the earliest chance) iff the check passes."""
     from h2o_vllm.policy import kv_len_after
     if heavy == recent == 0:
         return
     config = H2OConfig(heavy_tokens=heavy, recent_tokens=recent, interval=interval)
-    evicts = kv_len_after(max_model_len, max_model_len, config) < max_model_len
+    budget = config.budget(max_model_len, block_size)
+    evicts = kv_len_after(max_model_len, max_model_len, budget) < max_model_len
     try:
-        conflicts.check_budget_fits(config, max_model_len, None)
+        conflicts.check_budget_fits(config, max_model_len, block_size)
         refused = False
     except ValueError:
         refused = True

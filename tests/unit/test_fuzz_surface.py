@@ -11,7 +11,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from h2o_vllm import flags
+from h2o_vllm.frontend import flags
 from h2o_vllm.config import REQUEST_KEYS, H2OConfig, config_from_additional, request_overrides
 from h2o_vllm.policy import kv_len_after
 
@@ -29,7 +29,7 @@ _NOT_VALID = (ValueError,)
 
 
 def _check(additional_config, extra_args):
-    from h2o_vllm.vllm_hooks import check_request_overrides
+    from h2o_vllm.frontend.requests import check_request_overrides
     check_request_overrides(additional_config, extra_args)
 
 
@@ -53,11 +53,12 @@ def test_request_extra_args_are_accepted_and_usable_or_refused_with_a_clear_valu
     # What the scheduler hook and the runner hook do with an accepted request.
     request_config = config.with_overrides(overrides) if overrides else config
     for prompt_len in (1, 17, 300):
-        heavy, recent = request_config.budget(prompt_len)
+        budget = request_config.budget(prompt_len, 16)
+        heavy, recent = budget.heavy, budget.recent
         assert isinstance(heavy, int) and isinstance(recent, int) and heavy + recent > 0
-        interval = request_config.resolved_interval(16)
+        interval = budget.interval
         assert isinstance(interval, int) and interval >= 1
-        assert 0 < kv_len_after(prompt_len + 50, prompt_len, request_config, 16) <= prompt_len + 50
+        assert 0 < kv_len_after(prompt_len + 50, prompt_len, budget) <= prompt_len + 50
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 10**400, -1, 1.5, "0.1", [0.1], {"a": 1}, True])
@@ -122,4 +123,5 @@ def test_cli_flags_fold_or_fail_cleanly(kv_eviction, values, additional):
         return
     if config is not None:
         assert isinstance(config, H2OConfig)
-        assert math.isfinite(sum(config.budget(100)))
+        budget = config.budget(100, 16)
+        assert math.isfinite(budget.heavy + budget.recent + budget.interval)

@@ -1,4 +1,4 @@
-"""The dense H2O oracle (h2o_vllm.reference) against transformers and against a naive H2O.
+"""The dense H2O oracle (h2o_vllm.oracle) against transformers and against a naive H2O.
 
 Controls: with no eviction it must be transformers' own greedy decoding; with eviction it must
 equal tests/unit/naive_h2o.py (a from-scratch, recompute-everything implementation) token for
@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.reference import H2OReference
+from h2o_vllm.oracle import H2OOracle
 from naive_h2o import naive_generate, naive_score
 
 NUM_LAYERS, NUM_KV_HEADS = 3, 2
@@ -60,7 +60,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("config", [None, H2OConfig(heavy_tokens=100, recent_tokens=100)],
                          ids=["no-config", "budget-over-length"])
 def test_reference_without_eviction_matches_transformers_generate(model, prompts, config):
-    ref = H2OReference(model, config, query_chunk=CHUNK)
+    ref = H2OOracle(model, config, block_size=16, query_chunk=CHUNK)
     got = ref.generate(prompts, NEW_TOKENS)
     assert got == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
     for prompt, state in zip(prompts, ref.last_states):
@@ -72,7 +72,7 @@ def test_reference_without_eviction_matches_transformers_generate(model, prompts
 @pytest.mark.parametrize("budget", list(BUDGETS), ids=list(BUDGETS))
 def test_reference_matches_naive(model, prompts, budget, interval):
     config = H2OConfig(**BUDGETS[budget], interval=interval)
-    ref = H2OReference(model, config, query_chunk=CHUNK)
+    ref = H2OOracle(model, config, query_chunk=CHUNK)
     got = ref.generate(prompts, NEW_TOKENS)
     compacted = 0
     for prompt, tokens, state in zip(prompts, got, ref.last_states):
@@ -94,7 +94,7 @@ def test_reference_matches_naive(model, prompts, budget, interval):
 
 def test_reference_compacts_at_end_of_prompt(model, prompts):
     """64-token prompt, 4 + 4 budget, interval 16: 64 >= 8 + 16, so the prefill step compacts."""
-    ref = H2OReference(model, H2OConfig(heavy_tokens=4, recent_tokens=4, interval=16))
+    ref = H2OOracle(model, H2OConfig(heavy_tokens=4, recent_tokens=4, interval=16))
     state = ref.new_state(64)
     ref.step(state, prompts[3])
     assert state.num_tokens == 64 and state.kv_len == 8
@@ -107,8 +107,8 @@ def test_reference_compacts_at_end_of_prompt(model, prompts):
 
 
 def test_reference_eviction_changes_output_and_heads_keep_own_sets(model, prompts):
-    full = H2OReference(model, None).generate(prompts, NEW_TOKENS)
-    ref = H2OReference(model, H2OConfig(heavy_tokens=4, recent_tokens=4))
+    full = H2OOracle(model, None).generate(prompts, NEW_TOKENS)
+    ref = H2OOracle(model, H2OConfig(heavy_tokens=4, recent_tokens=4, interval=1))
     evicted = ref.generate(prompts, NEW_TOKENS)
     assert any(a != b for a, b in zip(full[1:], evicted[1:]))
     assert any(not torch.equal(layer.positions[0], layer.positions[1])
@@ -116,8 +116,8 @@ def test_reference_eviction_changes_output_and_heads_keep_own_sets(model, prompt
 
 
 def test_reference_prefill_chunking_does_not_change_results(model, prompts):
-    config = H2OConfig(heavy_ratio=0.2, recent_ratio=0.2)
-    chunked, whole = H2OReference(model, config, query_chunk=5), H2OReference(model, config, query_chunk=4096)
+    config = H2OConfig(heavy_ratio=0.2, recent_ratio=0.2, interval=1)
+    chunked, whole = H2OOracle(model, config, query_chunk=5), H2OOracle(model, config, query_chunk=4096)
     assert chunked.generate(prompts, 8) == whole.generate(prompts, 8)
     for a, b in zip(chunked.last_states, whole.last_states):
         for la, lb in zip(a.layers, b.layers):
@@ -127,7 +127,8 @@ def test_reference_prefill_chunking_does_not_change_results(model, prompts):
 
 def test_reference_score_without_eviction_is_full_model_log_softmax(model, prompts):
     prompt, continuation = prompts[2], prompts[3][:20]
-    got = H2OReference(model, H2OConfig(heavy_tokens=100, recent_tokens=100)).score(prompt, continuation)
+    config = H2OConfig(heavy_tokens=100, recent_tokens=100)
+    got = H2OOracle(model, config, block_size=16).score(prompt, continuation)
     with torch.no_grad():
         logits = model(torch.tensor([prompt + continuation])).logits[0].float()
     want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(continuation)[:, None])[:, 0]
@@ -136,8 +137,32 @@ def test_reference_score_without_eviction_is_full_model_log_softmax(model, promp
 
 def test_reference_score_with_eviction_matches_naive_and_differs_from_full(model, prompts):
     prompt, continuation = prompts[2], prompts[3][:20]
-    config = H2OConfig(heavy_tokens=4, recent_tokens=4)
-    got = H2OReference(model, config).score(prompt, continuation)
+    config = H2OConfig(heavy_tokens=4, recent_tokens=4, interval=1)
+    got = H2OOracle(model, config).score(prompt, continuation)
     torch.testing.assert_close(got, naive_score(model, config, prompt, continuation), rtol=1e-4, atol=1e-4)
-    full = H2OReference(model, None).score(prompt, continuation)
+    full = H2OOracle(model, None).score(prompt, continuation)
     assert (got - full).abs().max() > 0.1
+
+
+def test_reference_default_interval_is_one_block(model, prompts):
+    """An unset interval is one KV block: the oracle needs the engine's block size, and then
+    runs exactly as with interval=block_size (and as the naive twin given the same block)."""
+    config = H2OConfig(heavy_tokens=4, recent_tokens=4)
+    with pytest.raises(ValueError, match="block_size"):
+        H2OOracle(model, config)
+    default = H2OOracle(model, config, block_size=8, query_chunk=CHUNK)
+    explicit = H2OOracle(model, H2OConfig(heavy_tokens=4, recent_tokens=4, interval=8), query_chunk=CHUNK)
+    got = default.generate(prompts, NEW_TOKENS)
+    assert got == explicit.generate(prompts, NEW_TOKENS)
+    for a, b in zip(default.last_states, explicit.last_states):
+        assert a.budget.interval == b.budget.interval == 8
+        assert a.kv_len == b.kv_len
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.positions, lb.positions)
+    want, naive = naive_generate(model, config, prompts[2], NEW_TOKENS, block_size=8)
+    assert got[2] == want
+    assert default.last_states[2].kv_len == naive.expected_kv_len() < default.last_states[2].num_tokens
+    for layer in range(NUM_LAYERS):
+        for kv_head in range(NUM_KV_HEADS):
+            positions, _ = naive.kept(layer, kv_head)
+            assert default.last_states[2].layers[layer].positions[kv_head].tolist() == positions

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.policy import budget, kv_len_after, live_kv_len, peak_kv_len, select_keep
+from h2o_vllm.policy import cadence_start, kv_len_after, live_kv_len, peak_kv_len, select_keep
 
 # --------------------------------------------------------------------------- live_kv_len
 
@@ -72,6 +72,7 @@ def test_compaction_cadence(prompt_len, budget_tokens, interval):
     live = _lives(prompt_len, budget_tokens, interval, upto)
     compactions = [n for n in range(1, upto + 1) if live[n] < live[n - 1] + 1]
     first = max(prompt_len, budget_tokens + interval)
+    assert cadence_start(prompt_len, budget_tokens, interval) == first
     assert compactions, "never compacted"
     assert compactions[0] == first
     assert all(n >= prompt_len for n in compactions)
@@ -115,21 +116,25 @@ def test_tensor_path_with_scalar_parameters(ns, prompt_len, budget_tokens, inter
 
 @given(n=st.integers(0, 3000), prompt_len=st.integers(0, 1000),
        heavy_ratio=st.sampled_from([0, 0.05, 0.1, 0.3]), recent_tokens=st.integers(1, 64),
-       interval=st.one_of(st.none(), st.integers(1, 32)), block_size=st.sampled_from([None, 16]))
+       interval=st.one_of(st.none(), st.integers(1, 32)), block_size=st.sampled_from([1, 16, 32]))
 def test_kv_len_after_matches_live_kv_len(n, prompt_len, heavy_ratio, recent_tokens, interval, block_size):
     cfg = H2OConfig(heavy_ratio=heavy_ratio, recent_tokens=recent_tokens, interval=interval)
-    heavy, recent = budget(prompt_len, cfg)
-    assert (heavy, recent) == cfg.budget(prompt_len)
-    step = cfg.resolved_interval(block_size)
-    assert kv_len_after(n, prompt_len, cfg, block_size) == live_kv_len(n, prompt_len, heavy + recent, step)
+    budget = cfg.budget(prompt_len, block_size)
+    heavy, recent = cfg.part_budget("heavy", prompt_len), cfg.part_budget("recent", prompt_len)
+    assert (budget.heavy, budget.recent, budget.tokens) == (heavy, recent, heavy + recent)
+    step = interval if interval is not None else block_size
+    assert budget.interval == step
+    assert kv_len_after(n, prompt_len, budget) == live_kv_len(n, prompt_len, heavy + recent, step)
 
 
 def test_kv_len_after_default_interval_is_one_block():
     cfg = H2OConfig(heavy_tokens=8, recent_tokens=8)
-    lens = [kv_len_after(n, 100, cfg, block_size=16) for n in range(100, 140)]
+    lens = [kv_len_after(n, 100, cfg.budget(100, 16)) for n in range(100, 140)]
     assert lens[0] == 16                      # compacted at the end of the 100-token prompt
     assert max(lens) == 16 + 15
-    assert [kv_len_after(n, 100, cfg) for n in range(100, 105)] == [16] * 5  # reference: interval 1
+    # An explicit interval=1 (the paper's per-step eviction) wins over the block.
+    per_step = H2OConfig(heavy_tokens=8, recent_tokens=8, interval=1).budget(100, 16)
+    assert [kv_len_after(n, 100, per_step) for n in range(100, 105)] == [16] * 5
 
 
 @given(prompt_len=st.integers(1, 200), max_new=st.integers(0, 300), heavy=st.integers(0, 40),
@@ -138,10 +143,12 @@ def test_peak_kv_len_is_the_largest_step(prompt_len, max_new, heavy, recent, int
     """What the scheduler reserves per running sequence: the most slots one decode step needs
     (live length before it + the token it writes), brute-forced over the whole sequence."""
     config = H2OConfig.from_dict({"heavy_tokens": heavy, "recent_tokens": recent, "interval": interval})
+    budget = config.budget(prompt_len, 16)
+    assert budget.interval == interval
     max_len = prompt_len + max_new
-    steps = [kv_len_after(n, prompt_len, config) + 1 for n in range(prompt_len, max_len)]
-    assert peak_kv_len(prompt_len, max_len, config) == max(steps, default=prompt_len)
-    assert peak_kv_len(prompt_len, max_len, config) <= max(prompt_len, heavy + recent + interval)
+    steps = [kv_len_after(n, prompt_len, budget) + 1 for n in range(prompt_len, max_len)]
+    assert peak_kv_len(prompt_len, max_len, budget) == max(steps, default=prompt_len)
+    assert peak_kv_len(prompt_len, max_len, budget) <= max(prompt_len, heavy + recent + interval)
 
 
 # --------------------------------------------------------------------------- select_keep
