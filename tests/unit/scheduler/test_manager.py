@@ -1,0 +1,211 @@
+"""H2OManager on a real vLLM BlockPool: blocks counted in KV space, compacted tails freed,
+per-request budgets, nothing leaked, admission headroom, no prefix cache.
+
+Requests are vLLM's real ``vllm.v1.request.Request``. The manager is called as
+``KVCacheManager.allocate_slots`` calls it (free skipped blocks, count, allocate; logical token
+counts). Expected counts come from ``policy.kv_len_after`` / ``peak_kv_len`` or by hand.
+"""
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+from h2o_vllm.config import Budget, H2OConfig
+from h2o_vllm.policy import kv_len_after, peak_kv_len
+from h2o_vllm.scheduler.manager import H2OManager
+from h2o_vllm.scheduler.spec import H2OAttentionSpec
+
+BLOCK = 16
+ENGINE = H2OConfig(heavy_tokens=8, recent_tokens=8)  # budget 16, interval one block
+BUDGET = Budget(8, 8, BLOCK)
+MAX_LEN = 4096
+
+
+def _full(block_size=BLOCK):
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+
+def _manager(config=ENGINE, num_blocks=64, block_size=BLOCK, caching=False, pool=None):
+    pool = pool or BlockPool(num_gpu_blocks=num_blocks, enable_caching=caching, hash_block_size=block_size)
+    return H2OManager(H2OAttentionSpec.from_full(_full(block_size), config), block_pool=pool,
+                      enable_caching=caching, kv_cache_group_id=0, scheduler_block_size=block_size)
+
+
+def _request(rid, prompt_len, max_tokens=100, extra_args=None, **kwargs):
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
+                   None, **kwargs)
+
+
+def _grow(manager, rid, num_tokens):
+    """Count, then allocate, ``num_tokens`` logical tokens; returns the new blocks' count."""
+    count = manager.get_num_blocks_to_allocate(rid, num_tokens, [], 0, 0, num_tokens)
+    assert len(manager.allocate_new_blocks(rid, num_tokens, num_tokens)) == count
+    return count
+
+
+def _prefill(manager, request):
+    """Add (budget), admit (headroom), allocate the prompt, compact at its end: now running."""
+    n = request.num_prompt_tokens
+    manager.budgets.resolve(request.request_id, n, request.sampling_params.extra_args)
+    manager.admission_headroom(request, n, MAX_LEN)
+    _grow(manager, request.request_id, n)
+    request.num_computed_tokens = n
+    manager.remove_skipped_blocks(request.request_id, n, n)
+
+
+def test_manager_allocates_in_kv_space_after_eviction():
+    m = _manager()
+    assert _grow(m, "r", 100) == 7  # nothing evicted yet: KV space == logical, cdiv(100, 16)
+    m.remove_skipped_blocks("r", 100, 100)
+    assert kv_len_after(100, 100, BUDGET) == 16 and len(m.req_to_blocks["r"]) == 1
+    # The next decode step asks for 101 logical tokens = 17 in KV space: two blocks, not seven.
+    assert m.get_num_blocks_to_allocate("r", 101, [], 0, 0, 101) == 1
+    assert _grow(m, "r", 101) == 1 and len(m.req_to_blocks["r"]) == 2 == cdiv(17, BLOCK)
+    stock = FullAttentionManager(_full(), block_pool=m.block_pool, enable_caching=False,
+                                 kv_cache_group_id=0, scheduler_block_size=BLOCK)
+    assert stock.get_num_blocks_to_allocate("s", 101, [], 0, 0, 101) == 7  # control
+
+
+@pytest.mark.parametrize("processed", [64, 100, 115, 116, 140])
+def test_manager_remove_skipped_blocks_frees_exact_tail(processed):
+    m = _manager()
+    _grow(m, "r", processed)  # uncompacted: cdiv(processed, 16) blocks
+    before, free = list(m.req_to_blocks["r"]), m.block_pool.get_num_free_blocks()
+    m.remove_skipped_blocks("r", processed, 100)
+    kv = kv_len_after(processed, 100, BUDGET)  # 64 (mid-prompt), 16, 31, 16, 24
+    keep = cdiv(kv, BLOCK)
+    assert m.req_to_blocks["r"] == before[:keep]  # the head stays, the tail goes
+    assert m.block_pool.get_num_free_blocks() - free == len(before) - keep == m.num_freed_blocks
+    assert all(b.ref_cnt == 0 for b in before[keep:])
+    assert m.num_evicted["r"] == processed - kv
+
+
+def test_manager_remove_skipped_blocks_needs_prompt_len():
+    m = _manager()
+    _grow(m, "r", 116)
+    before, free = list(m.req_to_blocks["r"]), m.block_pool.get_num_free_blocks()
+    m.remove_skipped_blocks("r", 116)
+    assert (m.req_to_blocks["r"], m.block_pool.get_num_free_blocks()) == (before, free)
+    assert m.num_freed_blocks == 0 and m.num_evicted == {}
+
+
+def test_manager_request_budget_overrides_engine_default():
+    m = _manager(H2OConfig())  # paper default: 10% + 10% of the prompt, interval one block
+    small = {"h2o_heavy_tokens": 2, "h2o_recent_tokens": 2, "h2o_interval": 1}
+    assert m.budgets.resolve("small", 100, small) == Budget(2, 2, 1)
+    assert m.budgets.resolve("default", 100) == Budget(10, 10, BLOCK)
+    for rid in ("small", "default"):
+        _grow(m, rid, 101)
+        m.remove_skipped_blocks(rid, 101, 100)  # the manager's own lookup carries no extra_args
+    # small: compacts to 4 every token -> 4 live, 97 evicted; default: 20 + 1 -> 21 live, 80 evicted.
+    assert m.num_evicted == {"small": 97, "default": 80}
+    assert [len(m.req_to_blocks[r]) for r in ("small", "default")] == [1, 2]
+
+
+def test_manager_free_returns_every_block_and_forgets_request():
+    m = _manager()
+    pool, capacity = m.block_pool, m.block_pool.get_num_free_blocks()
+    a, b = _request("a", 100), _request("b", 40)
+    for request in (a, b):
+        _prefill(m, request)
+        _grow(m, request.request_id, request.num_prompt_tokens + 1)
+    assert pool.get_num_free_blocks() == capacity - 4 and m.num_evicted == {"a": 84, "b": 24}
+    m.free("a")  # KVCacheManager.free -> coordinator -> manager.free
+    popped = m.pop_blocks_for_free("b")  # the other path: the caller frees
+    assert len(popped) == 2
+    pool.free_blocks(reversed(popped))
+    assert pool.get_num_free_blocks() == capacity
+    assert not m.req_to_blocks and not m.num_evicted
+    # Nothing of "a" survives: the id starts over in logical space, it claims no headroom.
+    assert m.get_num_blocks_to_allocate("a", 101, [], 0, 0, 101) == 7
+    assert m.admission_headroom(_request("c", 10, max_tokens=6), 10, MAX_LEN) == 0
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens", [(100, 50), (10, 40)])
+def test_manager_admission_headroom_alone_is_what_peak_exceeds_prefill(prompt_len, max_tokens):
+    # Nothing runs: the newcomer needs room only for what its peak exceeds its prefill.
+    # (100, 50): peak 32 tokens = 2 blocks < 7 allocated; (10, 40): peak 32 = 2 blocks > 1.
+    peak = cdiv(peak_kv_len(prompt_len, prompt_len + max_tokens, BUDGET), BLOCK)
+    expected = max(0, peak - cdiv(prompt_len, BLOCK))
+    assert expected == (0 if prompt_len == 100 else 1)
+    newcomer = _request("c", prompt_len, max_tokens)
+    assert _manager().admission_headroom(newcomer, prompt_len, MAX_LEN) == expected
+
+
+def test_manager_admission_headroom_keeps_running_claims():
+    m = _manager()
+    a = _request("a", 40)  # engine budget: compacted to 16 tokens, holds 1 block, peaks at 32
+    wide = {"h2o_heavy_tokens": 16, "h2o_recent_tokens": 16, "h2o_interval": 48}
+    b = _request("b", 40, extra_args=wide)  # not compacted before 80 tokens: holds 3, peaks at 5
+    _prefill(m, a)
+    _prefill(m, b)
+    claims = {}
+    for r, budget in ((a, BUDGET), (b, Budget(16, 16, 48))):
+        held = len(m.req_to_blocks[r.request_id])
+        peak = cdiv(peak_kv_len(40, 140, budget), BLOCK)
+        assert peak <= cdiv(kv_len_after(40, 40, budget) + budget.interval, BLOCK)  # within an interval
+        claims[r.request_id] = peak - held
+    assert claims == {"a": 1, "b": 2}
+    reserve = sum(claims.values())
+    # A newcomer whose whole life fits in the block it allocates now: exactly the reserve.
+    assert cdiv(peak_kv_len(10, 16, BUDGET), BLOCK) == 1
+    assert m.admission_headroom(_request("c", 10, max_tokens=6), 10, MAX_LEN) == reserve
+    # A long prompt: allocating + headroom covers the running claims and its own peak.
+    big = _request("d", 100, max_tokens=50)
+    allocating, own_peak = cdiv(100, BLOCK), cdiv(peak_kv_len(100, 150, BUDGET), BLOCK)
+    assert allocating + m.admission_headroom(big, 100, MAX_LEN) >= reserve + own_peak
+    # A chunk of it (32 of 100 tokens): the rest of the prompt plus the running claims.
+    assert m.admission_headroom(_request("e", 100, 50), 32, MAX_LEN) == (cdiv(100, BLOCK) - 2) + reserve
+
+
+def test_manager_prefix_caching_off():
+    init_none_hash(sha256)
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BLOCK)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    request = _request("r", 64, block_hasher=hasher)
+    stock = FullAttentionManager(_full(), block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+                                 scheduler_block_size=BLOCK)
+    stock.allocate_new_blocks("r", 64, 64)
+    stock.cache_blocks(request, 64, replay_boundaries=[])
+    h2o = _manager(caching=True, pool=pool)
+    args = (request.block_hashes, 64, [0], pool, h2o.kv_cache_spec, False, BLOCK)
+    assert FullAttentionManager.find_longest_cache_hit(*args)[1] == 64  # control: a 4-block hit
+    assert H2OManager.find_longest_cache_hit(*args) == (([],), 0)
+    h2o.allocate_new_blocks("o", 64, 64)
+    h2o.cache_blocks(_request("o", 64, block_hasher=hasher), 64, replay_boundaries=[])
+    assert all(b.block_hash is None for b in h2o.req_to_blocks["o"])
+    assert _full().prefix_cacheable and not h2o.kv_cache_spec.prefix_cacheable
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt_len=st.integers(1, 120), heavy=st.integers(0, 24), recent=st.integers(0, 24),
+       interval=st.integers(1, 40), steps=st.integers(0, 80), chunk=st.integers(1, 128),
+       block_size=st.sampled_from([4, 16]))
+def test_manager_holds_cdiv_kv_len_blocks_every_step(prompt_len, heavy, recent, interval, steps,
+                                                     chunk, block_size):
+    assume(heavy + recent > 0)
+    config = H2OConfig(heavy_tokens=heavy, recent_tokens=recent, interval=interval)
+    m = _manager(config, num_blocks=256, block_size=block_size)
+    budget, capacity = config.budget(prompt_len, block_size), m.block_pool.get_num_free_blocks()
+    processed, freed = 0, 0
+    while processed < prompt_len + steps:  # a chunked prefill, then one token per step
+        step = min(chunk, prompt_len - processed) if processed < prompt_len else 1
+        held = len(m.req_to_blocks["r"])
+        want = cdiv(kv_len_after(processed, prompt_len, budget) + step, block_size) - held
+        assert _grow(m, "r", processed + step) == want
+        processed += step
+        held = len(m.req_to_blocks["r"])
+        m.remove_skipped_blocks("r", processed, prompt_len)
+        kv = kv_len_after(processed, prompt_len, budget)
+        assert len(m.req_to_blocks["r"]) == cdiv(kv, block_size)
+        freed += held - cdiv(kv, block_size)
+        assert m.block_pool.get_num_free_blocks() + len(m.req_to_blocks["r"]) == capacity
+        assert m.num_evicted["r"] == processed - kv and m.num_freed_blocks == freed

@@ -1,0 +1,145 @@
+"""scheduler.step, the functions vLLM's scheduler hooks call: budgets in and out, compacted
+tails freed at the step boundary, admission watermark, metrics.
+
+Managers are real H2OManagers on a real BlockPool and requests are vLLM's real
+``vllm.v1.request.Request``. The one stand-in is ``Recording``, for the KVCacheManager that
+``free_compacted_tails`` only forwards to (it records the calls); a second test sends the same
+call through vLLM's real KVCacheManager to its H2OManager.
+"""
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
+
+from h2o_vllm import metrics, vllm_hooks
+from h2o_vllm.config import Budget, H2OConfig
+from h2o_vllm.scheduler import step
+from h2o_vllm.scheduler.manager import H2OManager
+from h2o_vllm.scheduler.spec import H2OAttentionSpec
+
+BLOCK = 16
+MAX_LEN = 4096
+SMALL = {"h2o_heavy_tokens": 2, "h2o_recent_tokens": 2, "h2o_interval": 1}
+
+
+def _managers(*configs):
+    """One manager per KV-cache group, all on one pool, as vLLM's coordinator builds them."""
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    return [H2OManager(H2OAttentionSpec.from_full(full, c), block_pool=pool, enable_caching=False,
+                       kv_cache_group_id=g, scheduler_block_size=BLOCK) for g, c in enumerate(configs)]
+
+
+def _request(rid, prompt_len, max_tokens=100, extra_args=None, computed=0, in_flight=0):
+    request = Request(rid, list(range(prompt_len)),
+                      SamplingParams(max_tokens=max_tokens, extra_args=extra_args), None)
+    request.num_computed_tokens, request.num_in_flight_tokens = computed, in_flight
+    return request
+
+
+def _run(manager, request):
+    """Admit and prefill ``request`` in ``manager``, compacted at its prompt's end."""
+    n = request.num_prompt_tokens
+    manager.admission_headroom(request, n, MAX_LEN)
+    manager.allocate_new_blocks(request.request_id, n, n)
+    manager.remove_skipped_blocks(request.request_id, n, n)
+    request.num_computed_tokens, request.status = n, RequestStatus.RUNNING
+
+
+class Recording:
+    """Stand-in for vLLM's KVCacheManager: free_compacted_tails only forwards to it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def remove_skipped_blocks(self, request_id, total_computed_tokens, num_prompt_tokens=None):
+        self.calls.append((request_id, total_computed_tokens, num_prompt_tokens))
+
+
+def test_scheduler_step_add_request_resolves_budget_in_every_manager():
+    managers = _managers(H2OConfig(), H2OConfig(heavy_tokens=8, recent_tokens=8, interval=4))
+    step.add_request(managers, _request("plain", 100))
+    step.add_request(managers, _request("small", 100, extra_args={**SMALL, "other": 1}))
+    assert all("plain" in m.budgets and "small" in m.budgets for m in managers)
+    # Read back later without extra_args (what the managers do): the first resolution stays.
+    assert [m.budgets.resolve("plain", 100) for m in managers] == [Budget(10, 10, BLOCK), Budget(8, 8, 4)]
+    assert [m.budgets.resolve("small", 100) for m in managers] == [Budget(2, 2, 1)] * 2
+
+
+def test_scheduler_step_add_request_without_sampling_params():
+    managers = _managers(H2OConfig())
+    pooling = _request("p", 50)
+    pooling.sampling_params = None  # a pooling request carries no SamplingParams
+    step.add_request(managers, pooling)
+    assert managers[0].budgets.resolve("p", 50) == Budget(5, 5, BLOCK)
+
+
+def test_scheduler_step_finish_request_forgets_budget():
+    managers = _managers(H2OConfig(), H2OConfig())
+    for rid in ("done", "kept"):
+        step.add_request(managers, _request(rid, 100, extra_args=SMALL))
+    step.finish_request(managers, "done")
+    step.finish_request(managers, "never-added")  # an abort before add: no error
+    assert all("done" not in m.budgets and "kept" in m.budgets for m in managers)
+    assert all(len(m.budgets) == 1 for m in managers)
+
+
+def test_scheduler_step_free_compacted_tails_forwards_processed_tokens():
+    running = [_request("a", 100, computed=116), _request("b", 40, computed=41, in_flight=1),
+               _request("c", 30, computed=2, in_flight=5)]
+    kv_cache_manager = Recording()
+    step.free_compacted_tails(kv_cache_manager, running)
+    assert kv_cache_manager.calls == [("a", 116, 100), ("b", 40, 40), ("c", 0, 30)]
+
+
+def test_scheduler_step_free_compacted_tails_frees_through_real_kv_cache_manager():
+    vllm_hooks.register_kv_cache_spec()
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    spec = H2OAttentionSpec.from_full(full, H2OConfig(heavy_tokens=8, recent_tokens=8))
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    kv_cache_manager = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BLOCK,
+                                      hash_block_size=BLOCK, enable_caching=False)
+    (manager,) = kv_cache_manager.coordinator.single_type_managers
+    request = _request("a", 100)
+    assert kv_cache_manager.allocate_slots(request, 100) is not None
+    request.num_computed_tokens = 100  # the prefill step is processed: compacted to 16 tokens
+    free = kv_cache_manager.block_pool.get_num_free_blocks()
+    step.free_compacted_tails(kv_cache_manager, [request])
+    assert len(manager.req_to_blocks["a"]) == 1 and manager.num_freed_blocks == 6
+    assert kv_cache_manager.block_pool.get_num_free_blocks() == free + 6
+
+
+@pytest.mark.parametrize("status", [RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED])
+def test_scheduler_step_admission_watermark(status):
+    config = H2OConfig(heavy_tokens=8, recent_tokens=8)  # each running request claims one block
+    first, second = _managers(config, config)
+    for rid in ("a", "b"):
+        _run(first, _request(rid, 40))
+    _run(second, _request("x", 40))
+    newcomer = _request("c", 10, max_tokens=6)  # fits in the one block it allocates now
+    newcomer.status = status
+    expected = 5 if status == RequestStatus.RUNNING else 5 + 2 + 1
+    assert step.admission_watermark([first, second], 5, newcomer, 10, MAX_LEN) == expected
+    assert step.admission_watermark([], 5, newcomer, 10, MAX_LEN) == 5
+
+
+def test_scheduler_step_record_metrics_sets_recorder(monkeypatch):
+    monkeypatch.setattr(metrics, "_recorder", metrics.Recorder(None))  # writes nowhere
+    config = H2OConfig(heavy_tokens=8, recent_tokens=8)  # one engine config: every group alike
+    first, second = _managers(config, config)
+    running = [_request("a", 100), _request("b", 40)]
+    for request in running:
+        for manager in (first, second):
+            _run(manager, request)
+    running.append(_request("new", 20, computed=0))  # scheduled, nothing computed yet
+    step.record_metrics([first, second], running)
+    # In each group a keeps 16 of 100 tokens (6 blocks freed), b 16 of 40 (2 freed).
+    assert (first.num_freed_blocks, second.num_freed_blocks) == (8, 8)
+    assert metrics.recorder().values == {"freed_blocks": 16, "live_kv_tokens": 16 + 16}
+    before = dict(metrics.recorder().values)
+    step.record_metrics([], running)  # no H2O group: nothing recorded
+    assert metrics.recorder().values == before
