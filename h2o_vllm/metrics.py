@@ -46,6 +46,9 @@ class Recorder:
         self.path = os.path.join(directory, f"{os.getpid()}.json") if directory else None
         self._dirty = threading.Event()
         self._lock = threading.Lock()
+        # The flush thread and the exit handler share one temp file: one writer at a time,
+        # each writing the snapshot it took, so the file is never torn or older than a flush.
+        self._write_lock = threading.Lock()
         if self.path is not None:
             threading.Thread(target=self._flush_loop, name="h2o-metrics", daemon=True).start()
             atexit.register(self.flush)
@@ -66,15 +69,16 @@ class Recorder:
     def flush(self) -> None:
         if self.path is None:
             return
-        with self._lock:
-            text = json.dumps(self.values)
-        try:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, self.path)
-        except OSError:  # directory gone: process 0 has exited
-            pass
+        with self._write_lock:
+            with self._lock:
+                text = json.dumps(self.values)
+            try:
+                tmp = f"{self.path}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(text)
+                os.replace(tmp, self.path)
+            except OSError:  # directory gone: process 0 has exited
+                pass
 
     def _flush_loop(self) -> None:
         while True:

@@ -19,7 +19,7 @@ def cadence_start(prompt_len: IntOrTensor, budget_tokens: IntOrTensor,
                   interval: IntOrTensor) -> IntOrTensor:
     """Tokens processed at the first compaction: the prompt is never evicted, and the cache
     first shrinks once it has grown ``interval`` past the budget (ARCHITECTURE.md, "Cadence")."""
-    if isinstance(prompt_len, torch.Tensor) or isinstance(budget_tokens, torch.Tensor):
+    if any(isinstance(x, torch.Tensor) for x in (prompt_len, budget_tokens, interval)):
         return torch.maximum(torch.as_tensor(prompt_len), torch.as_tensor(budget_tokens + interval))
     return max(prompt_len, budget_tokens + interval)
 

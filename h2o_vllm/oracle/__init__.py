@@ -4,7 +4,7 @@ The independent side of every token-for-token test (ARCHITECTURE.md, "What H2O i
 it imports ``h2o_vllm.config`` and torch only (the model is a Hugging Face module), never
 ``policy``, ``worker`` or vLLM.
 
-    ref = H2OOracle(model, H2OConfig(heavy_ratio=0.1, recent_ratio=0.1))
+    ref = H2OOracle(model, H2OConfig(heavy_ratio=0.1, recent_ratio=0.1), block_size=16)
     tokens = ref.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
     ref.last_states[0].layers[0].positions   # [num_kv_heads, kv_len] kept logical positions
     logprobs = ref.score(prompt, continuation)

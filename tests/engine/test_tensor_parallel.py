@@ -6,7 +6,7 @@ on the batch (computed/prompt/query lengths, budgets), never on heads, so every 
 the same KV-space lengths and compacts at the same steps; each rank's ``H2OAttentionSpec``
 carries its own ``num_kv_heads`` (2 / TP) while the block counts are per token, so the single
 scheduler's ``H2OManager`` count is right for every rank; scores and compaction are per KV
-head (tests/unit/test_tp_split.py: a head split gives the same keep-sets as the whole).
+head (tests/unit/worker/test_tp_split.py: a head split gives the same keep-sets as the whole).
 """
 import pytest
 

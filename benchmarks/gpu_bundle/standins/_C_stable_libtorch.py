@@ -12,7 +12,7 @@ where it is called: the bundle is for dense Llama models on vLLM's Triton attent
 The bodies are written from each op's schema and vLLM's Python reference implementations
 (``vllm.ir.ops`` rms norms, ``SiluAndMul.forward_native``, ``RotaryEmbedding.forward_static``,
 ``apply_repetition_penalties_torch``) and are tested against them on the CPU
-(``tests/unit/test_gpu_bundle_standins.py``). They favour being obviously right over speed.
+(``tests/unit/benchmarks/test_gpu_bundle_standins.py``). They favour being obviously right over speed.
 """
 from __future__ import annotations
 

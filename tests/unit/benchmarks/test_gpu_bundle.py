@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).parents[2]
+REPO = Path(__file__).parents[3]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_bundle import build, bundle, settings, wheels  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The dense H2O oracle (h2o_vllm.oracle) against transformers and against a naive H2O.
 
 Controls: with no eviction it must be transformers' own greedy decoding; with eviction it must
-equal tests/unit/naive_h2o.py (a from-scratch, recompute-everything implementation) token for
+equal tests/unit/oracle/naive_h2o.py (a from-scratch, recompute-everything implementation) token for
 token, kept position for kept position, score for score; and eviction must change the output.
 Tiny random Llama (GQA 4 q / 2 KV heads), peaky attention so heavy-hitter choices are far from ties.
 """

@@ -329,6 +329,9 @@ def check_register_idempotent() -> None:
     with pytest.MonkeyPatch.context() as mp:
         if not on_gpu:
             mp.setenv(triton_on_cpu.SWITCH, "1")
+        # An earlier test may have loaded vLLM's plugins (register() with the switch off):
+        # both calls must reach every install_* with the switch on.
+        plugin._registered = False
         plugin.register()
         first = {path: _resolve(path)[1] for path in SIGNATURES}
         plugin._registered = False  # make the second call reach every install_* again

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PATCHES = sorted((Path(__file__).parents[2] / "patches").glob("*.patch"))
+PATCHES = sorted((Path(__file__).parents[3] / "patches").glob("*.patch"))
 
 
 def _site_packages() -> Path:
