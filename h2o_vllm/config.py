@@ -14,6 +14,7 @@ DEFAULT_RATIO = 0.1
 
 _RATIO_KEYS = ("heavy_ratio", "recent_ratio")
 _TOKEN_KEYS = ("heavy_tokens", "recent_tokens")
+_COUNT_KEYS = ("interval", "sink_tokens", "obs_window", "min_tokens")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,17 @@ class H2OConfig:
     grown ``interval`` tokens past it. ``None`` means one KV block, everywhere (the natural
     unit: each compaction then frees whole blocks); the oracle is given the block size of the
     engine it stands for. ``interval=1`` is the paper's per-step eviction.
+
+    Past the paper (docs/score-modes.md; unset, each is the paper's H2O):
+
+    - ``decay`` in (0, 1]: each query first multiplies every live token's score by ``decay``,
+      then adds its probabilities (A2SF's forgetting factor), so attention long past fades.
+    - ``sink_tokens``: the first ``sink_tokens`` logical tokens are always kept, in addition to
+      heavy + recent (StreamingLLM's attention sinks).
+    - ``obs_window``: prompt tokens are scored only by the prompt's last ``obs_window`` queries
+      (SnapKV's observation window); later queries all count.
+    - ``min_tokens``: a floor on the cache size: when sinks + heavy + recent is smaller, the
+      recent window grows to make up ``min_tokens`` (short prompts under a ratio budget).
     """
 
     heavy_ratio: float | None = None
@@ -39,6 +51,10 @@ class H2OConfig:
     heavy_tokens: int | None = None
     recent_tokens: int | None = None
     interval: int | None = None
+    decay: float | None = None
+    sink_tokens: int | None = None
+    obs_window: int | None = None
+    min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for key in _RATIO_KEYS:
@@ -50,11 +66,17 @@ class H2OConfig:
             # Range first: a huge int would overflow math.isfinite; NaN fails the range too.
             if not 0.0 <= value <= 1.0 or not math.isfinite(value):
                 raise ValueError(f"h2o.{key} must be in [0, 1], got {value!r}")
-        for key in (*_TOKEN_KEYS, "interval"):
+        decay = self.decay
+        if decay is not None:
+            if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+                raise ValueError(f"h2o.decay must be a number in (0, 1], got {decay!r}")
+            if not 0.0 < decay <= 1.0 or not math.isfinite(decay):
+                raise ValueError(f"h2o.decay must be in (0, 1] (1 is the paper's plain sum), got {decay!r}")
+        for key in (*_TOKEN_KEYS, *_COUNT_KEYS):
             value = getattr(self, key)
             if value is None:
                 continue
-            low = 1 if key == "interval" else 0
+            low = 1 if key in ("interval", "obs_window") else 0
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
             if value < low:
@@ -64,7 +86,7 @@ class H2OConfig:
                 raise ValueError(
                     f"h2o.{part}_ratio and h2o.{part}_tokens both set: give the {part} budget one way, "
                     f"as a fraction of the prompt ({part}_ratio) or as a token count ({part}_tokens)")
-        if self._part_is_zero("heavy") and self._part_is_zero("recent"):
+        if self._part_is_zero("heavy") and self._part_is_zero("recent") and not self.sink_tokens:
             raise ValueError("h2o budget is zero: heavy and recent are both 0; enable at least one part "
                              "(for example heavy_ratio=0.1, recent_ratio=0.1)")
 
@@ -115,9 +137,13 @@ class H2OConfig:
 
     def budget(self, prompt_len: int, block_size: int) -> "Budget":
         """The ``Budget`` of one prompt length; ``block_size`` (KV block) is the default interval."""
-        return Budget(heavy=self.part_budget("heavy", prompt_len),
-                      recent=self.part_budget("recent", prompt_len),
-                      interval=self.interval if self.interval is not None else block_size)
+        sinks, heavy = self.sink_tokens or 0, self.part_budget("heavy", prompt_len)
+        recent = self.part_budget("recent", prompt_len)
+        recent += max(0, (self.min_tokens or 0) - (sinks + heavy + recent))
+        return Budget(heavy=heavy, recent=recent,
+                      interval=self.interval if self.interval is not None else block_size,
+                      sinks=sinks, decay=1.0 if self.decay is None else float(self.decay),
+                      obs_window=self.obs_window)
 
 
 @dataclass(frozen=True)
@@ -128,11 +154,20 @@ class Budget:
     heavy: int
     recent: int
     interval: int
+    sinks: int = 0
+    decay: float = 1.0              # 1.0: the paper's plain sum
+    obs_window: int | None = None   # None: every prompt query scores
 
     @property
     def tokens(self) -> int:
-        """heavy + recent: the size the cache is compacted back to."""
-        return self.heavy + self.recent
+        """sinks + heavy + recent: the size the cache is compacted back to."""
+        return self.sinks + self.heavy + self.recent
+
+    def query_weight(self, position: int, prompt_len: int) -> float:
+        """How much the query at logical ``position`` adds to the scores (before decay)."""
+        if self.obs_window is not None and position < prompt_len - self.obs_window:
+            return 0.0
+        return 1.0
 
 
 #: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)

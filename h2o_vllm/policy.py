@@ -64,23 +64,28 @@ def peak_kv_len(prompt_len: int, max_len: int, budget: Budget) -> int:
     return max(peak + 1, 1) if last >= prompt_len else prompt_len
 
 
-def select_keep(scores: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:
-    """Indices of the tokens to keep, per head: the ``recent`` last ones plus the ``heavy``
-    highest-scoring among the rest; ties keep the more recent token; ascending order.
+def select_keep(scores: torch.Tensor, heavy: int, recent: int, sinks: int = 0) -> torch.Tensor:
+    """Indices of the tokens to keep, per head: the ``sinks`` first ones, the ``recent`` last
+    ones, and the ``heavy`` highest-scoring among the rest; ties keep the more recent token;
+    ascending order.
 
-    scores: [..., n] accumulated attention of the n live tokens (oldest first).
-    Returns int64 [..., min(n, heavy + recent)]; the count is the same for every head.
+    scores: [..., n] accumulated attention of the n live tokens (oldest first). The first
+    ``sinks`` live tokens are the first logical ones: they are never evicted, and compaction
+    keeps order. Returns int64 [..., min(n, sinks + heavy + recent)]; the same count per head.
     """
     n = scores.shape[-1]
-    num_recent = min(recent, n)
+    num_sinks = min(sinks, n)
+    num_recent = min(recent, n - num_sinks)
     num_older = n - num_recent
-    num_heavy = min(heavy, num_older)
+    num_heavy = min(heavy, num_older - num_sinks)
     lead = scores.shape[:-1]
-    recent_idx = torch.arange(num_older, n, device=scores.device).expand(*lead, num_recent)
+    device = scores.device
+    sink_idx = torch.arange(num_sinks, device=device).expand(*lead, num_sinks)
+    recent_idx = torch.arange(num_older, n, device=device).expand(*lead, num_recent)
     if num_heavy == 0:
-        return recent_idx.contiguous()
+        return torch.cat([sink_idx, recent_idx], dim=-1).contiguous()
     # Flip so that, among equal scores, the stable sort meets the more recent token first.
-    older = scores[..., :num_older].flip(-1)
+    older = scores[..., num_sinks:num_older].flip(-1)
     order = torch.sort(older, dim=-1, descending=True, stable=True).indices[..., :num_heavy]
     heavy_idx = torch.sort(num_older - 1 - order, dim=-1).values
-    return torch.cat([heavy_idx, recent_idx], dim=-1)
+    return torch.cat([sink_idx, heavy_idx, recent_idx], dim=-1)

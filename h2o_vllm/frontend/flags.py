@@ -26,7 +26,12 @@ FLAGS = {
     "heavy_tokens": "--h2o-heavy-tokens",
     "recent_tokens": "--h2o-recent-tokens",
     "interval": "--h2o-interval",
+    "decay": "--h2o-decay",
+    "sink_tokens": "--h2o-sink-tokens",
+    "obs_window": "--h2o-obs-window",
+    "min_tokens": "--h2o-min-tokens",
 }
+_FLOAT_KEYS = ("heavy_ratio", "recent_ratio", "decay")
 _HELP = {
     "heavy_ratio": "Heavy-hitter budget as a fraction of the prompt length, in [0, 1] (default 0.1).",
     "recent_ratio": "Recent-window budget as a fraction of the prompt length, in [0, 1] (default 0.1).",
@@ -34,6 +39,14 @@ _HELP = {
     "recent_tokens": "Recent-window budget in tokens per (layer, KV head); instead of --h2o-recent-ratio.",
     "interval": "Compact each time the cache has grown this many tokens past the budget "
                 "(>= 1; default one KV block; 1 is the paper's per-step eviction).",
+    "decay": "Forgetting factor in (0, 1]: each query scales every score by it before adding its "
+             "attention (A2SF); default 1, the paper's plain sum.",
+    "sink_tokens": "Always keep the first INT tokens (attention sinks, StreamingLLM), in addition "
+                   "to the heavy and recent budgets; default 0.",
+    "obs_window": "Score the prompt's tokens by its last INT queries only (SnapKV's observation "
+                  "window; >= 1); default: every prompt query.",
+    "min_tokens": "Never compact below INT tokens: a smaller budget gets a longer recent window "
+                  "(short prompts under a ratio budget); default 0.",
 }
 
 
@@ -42,7 +55,7 @@ class FlagError(ValueError):
 
 
 def _checked(key: str):
-    number = float if key.endswith("_ratio") else int
+    number = float if key in _FLOAT_KEYS else int
 
     def parse(text: str):
         try:
@@ -67,15 +80,14 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
         title=GROUP_TITLE,
         description="H2O (Heavy-Hitter Oracle) KV-cache eviction from the h2o-vllm plugin. The flags "
                     "fold into --additional-config '{\"h2o\": {...}}'; per request, vllm_xargs "
-                    "h2o_heavy_ratio, h2o_recent_ratio, h2o_heavy_tokens, h2o_recent_tokens, "
-                    "h2o_interval override them.")
+                    "h2o_<key> (h2o_heavy_ratio, h2o_interval, h2o_decay, ...) overrides them.")
     group.add_argument("--kv-eviction", choices=["none", "h2o"], default=None,
                        help="KV-cache eviction policy: 'h2o' keeps heavy hitters plus recent tokens. "
                             "Default: 'h2o' when any --h2o-* flag or an 'h2o' entry of "
                             "--additional-config is given, else 'none'.")
     for key, flag in FLAGS.items():
         group.add_argument(flag, dest=f"h2o_{key}", type=_checked(key), default=None,
-                           metavar="FLOAT" if key.endswith("_ratio") else "INT", help=_HELP[key])
+                           metavar="FLOAT" if key in _FLOAT_KEYS else "INT", help=_HELP[key])
 
 
 def fold(kv_eviction: str | None, values: Mapping[str, Any],
@@ -106,7 +118,7 @@ def fold(kv_eviction: str | None, values: Mapping[str, Any],
         if key in merged and merged[key] != value:
             raise FlagError(f"{FLAGS[key]} {value} conflicts with --additional-config h2o.{key}="
                             f"{merged[key]!r}; give it one way")
-        if key != "interval" and other in merged:
+        if key in ("heavy_ratio", "recent_ratio", "heavy_tokens", "recent_tokens") and other in merged:
             raise FlagError(f"{FLAGS[key]} conflicts with --additional-config h2o.{other}: give the "
                             f"{part} budget one way")
         merged[key] = value

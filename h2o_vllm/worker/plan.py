@@ -28,6 +28,7 @@ class StepPlan:
     kv_seq_lens: torch.Tensor      # keys each row attends over in this step
     kv_lens_after: torch.Tensor    # live KV tokens once this step's compaction is done
     heavy: torch.Tensor
+    sinks: torch.Tensor
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
 
@@ -35,14 +36,14 @@ class StepPlan:
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    budgets: Sequence[Budget]) -> StepPlan:
     """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens)."""
-    table = torch.tensor([(b.heavy, b.tokens, b.interval) for b in budgets],
-                         dtype=torch.int64).view(-1, 3)
-    heavy, budget_tokens, interval = table.unbind(1)
+    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks) for b in budgets],
+                         dtype=torch.int64).view(-1, 4)
+    heavy, budget_tokens, interval, sinks = table.unbind(1)
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval)
     seq_lens = before + query_lens
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
-                    kv_lens_after=after, heavy=heavy, due=after < seq_lens,
+                    kv_lens_after=after, heavy=heavy, sinks=sinks, due=after < seq_lens,
                     query_starts=torch.cumsum(query_lens, 0) - query_lens)
 
 

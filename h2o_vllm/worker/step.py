@@ -25,10 +25,11 @@ from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 
 @dataclass(frozen=True)
 class DueGroup:
-    """Due rows that share (kv_len, heavy, target): one select_keep and one compaction."""
+    """Due rows that share (kv_len, sinks, heavy, target): one select_keep and one compaction."""
     rows: torch.Tensor      # [R] int64, device: batch rows
     blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
     offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
+    sinks: int
     heavy: int
     target: int
 
@@ -123,17 +124,18 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
 
 def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
     device = block_table.device
-    groups: dict[tuple[int, int, int], list[int]] = {}
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
     for row in plan.due.nonzero().flatten().tolist():
-        key = (int(plan.kv_seq_lens[row]), int(plan.heavy[row]), int(plan.kv_lens_after[row]))
+        key = (int(plan.kv_seq_lens[row]), int(plan.sinks[row]), int(plan.heavy[row]),
+               int(plan.kv_lens_after[row]))
         groups.setdefault(key, []).append(row)
     out = []
-    for (kv_len, heavy, target), rows in groups.items():
+    for (kv_len, sinks, heavy, target), rows in groups.items():
         pos = torch.arange(kv_len)
         rows_d = _to(torch.tensor(rows), device)
         blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
         out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
-                            heavy=heavy, target=target))
+                            sinks=sinks, heavy=heavy, target=target))
     return tuple(out)
 
 
@@ -142,8 +144,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities, compact due rows.
 
-    ``target`` exceeds heavy + recent only when a recomputed request lands past a compaction
-    point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
+    ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
+    compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
     head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
     before and after compaction (for metrics, without a device sync).
     """
@@ -152,7 +154,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
-        keep = select_keep(live, group.heavy, group.target - group.heavy)       # [R, Hkv, target]
+        keep = select_keep(live, group.heavy, group.target - group.sinks - group.heavy,
+                           group.sinks)                                         # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
         ops.compact(views, scores, step.block_table, group.rows, keep)
