@@ -2,7 +2,9 @@
 
 The independent side of every token-for-token test (ARCHITECTURE.md, "What H2O is, precisely"):
 it imports ``h2o_vllm.config`` and torch only (the model is a Hugging Face module), never
-``policy``, ``worker`` or vLLM.
+``policy``, ``worker`` or vLLM. It honours every field of ``Budget``: heavy, recent (with the
+``min_tokens`` floor), interval, sinks, decay and the observation window (``query_weight``);
+with the paper's defaults its arithmetic is the plain H2O sum (see ``H2OOracle``).
 
     ref = H2OOracle(model, H2OConfig(heavy_ratio=0.1, recent_ratio=0.1), block_size=16)
     tokens = ref.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)

@@ -12,16 +12,42 @@ from h2o_vllm.oracle.cache import LayerCache
 DEFAULT_QUERY_CHUNK = 256
 
 
+def query_coefficients(num_new: int, decay: float = 1.0,
+                       weights: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[num_new] fp32 factor of each query's probabilities in this step's score update, or
+    None for the paper's plain sum (``decay == 1`` and no weights: every factor is 1).
+
+    Queries ``a..b`` run in order, each doing ``s <- decay * s + w_i * p_i``; so query ``i``
+    adds ``decay ** (b - i) * w_i * p_i`` and the scores from before the step are scaled by
+    ``decay ** num_new`` once. Computed in fp64, rounded to fp32 once.
+    """
+    if decay == 1.0 and weights is None:
+        return None
+    coef = torch.full((num_new,), float(decay), dtype=torch.float64) ** torch.arange(
+        num_new - 1, -1, -1, dtype=torch.float64)
+    if weights is not None:
+        coef = coef * weights.to(torch.float64)
+    return coef.float()
+
+
 def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
-                     query_chunk: int = DEFAULT_QUERY_CHUNK) -> torch.Tensor:
+                     query_chunk: int = DEFAULT_QUERY_CHUNK, *, decay: float = 1.0,
+                     weights: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this step's queries over ``cache``, adding their probabilities to its scores.
 
     ``queries``: [num_q_heads, num_new, head_dim] fp32 (after RoPE), for the ``num_new`` tokens
     this step has just appended to ``cache`` (its last ``num_new`` slots). Query ``i`` sees every
     slot up to and including its own token (causal within the step). Each query's softmax runs
     over the tokens live when it runs; the probabilities, summed over the query heads of each KV
-    group and over the queries, are added to ``cache.scores``. Returns [num_new, num_q_heads *
-    head_dim] fp32 attention outputs.
+    group, go into ``cache.scores``. Returns [num_new, num_q_heads * head_dim] fp32 outputs.
+
+    Score update, queries taken in order: ``s <- decay * s + weights[i] * p_i`` for each query
+    ``i`` (``Budget.decay``, ``Budget.query_weight``). With ``decay == 1`` and ``weights=None``
+    (the paper's H2O) this is the plain sum and runs no scaling at all; otherwise the scores
+    from before the step are scaled by ``decay ** num_new`` once and query ``i`` adds
+    ``decay ** (num_new - 1 - i) * weights[i] * p_i`` (``query_coefficients``). ``weights``:
+    [num_new] (None: all 1). Scores of the step's own new slots start at 0, so scaling them
+    is moot.
     """
     num_q_heads, num_new, head_dim = queries.shape
     num_kv_heads = cache.keys.shape[0]
@@ -31,6 +57,9 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
     # q: [num_kv_heads, group, num_new, head_dim]; query heads of one KV group are adjacent (HF order).
     q = queries.reshape(num_kv_heads, group, num_new, head_dim)
     keys, values, scores = cache.keys, cache.values, cache.scores
+    coef = query_coefficients(num_new, decay, weights)
+    if decay != 1.0 and num_old:
+        scores[:, :num_old] *= float(decay) ** num_new
     outputs = []
     for start in range(0, num_new, query_chunk):
         end = min(start + query_chunk, num_new)
@@ -42,7 +71,13 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
             future = torch.arange(visible).unsqueeze(0) > rows  # [chunk, visible]
             logits = logits.masked_fill(future, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        scores[:, :visible] += probs.sum(dim=(1, 2))
+        if coef is None:
+            scores[:, :visible] += probs.sum(dim=(1, 2))
+        else:
+            chunk_coef = coef[start:end]
+            if bool(chunk_coef.any()):  # an all-zero chunk (outside the observation window) adds nothing
+                # [kv, chunk, visible] group sums, each query's row weighted by its coefficient
+                scores[:, :visible] += (probs.sum(dim=1) * chunk_coef[None, :, None]).sum(dim=1)
         outputs.append(torch.matmul(probs, values[:, None, :visible]))  # [kv, group, chunk, head_dim]
     out = torch.cat(outputs, dim=2).reshape(num_q_heads, num_new, head_dim)
     return out.transpose(0, 1).reshape(num_new, num_q_heads * head_dim)

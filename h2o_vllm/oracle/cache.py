@@ -71,20 +71,25 @@ class LayerCache:
         self._keys, self._values = grown(self._keys), grown(self._values)
         self._positions, self._scores = grown(self._positions), grown(self._scores)
 
-    def compact(self, heavy: int, recent: int) -> None:
-        """Keep, per KV head, the ``recent`` newest live tokens plus the ``heavy`` highest-scored
-        of the rest (ties keep the more recent token, see Eviction); order and scores move along."""
+    def compact(self, heavy: int, recent: int, sinks: int = 0) -> None:
+        """Keep, per KV head, the ``sinks`` first live tokens, the ``recent`` newest ones and the
+        ``heavy`` highest-scored of the rest (ties keep the more recent token, see Eviction);
+        order and scores move along. The first live slots are the first logical tokens: sinks
+        are never evicted and compaction preserves order."""
         n = self.kv_len
-        if heavy + recent >= n:
+        if sinks + heavy + recent >= n:
             return
-        num_candidates = n - recent
-        candidates = self.scores[:, :num_candidates]
+        num_candidates = n - recent  # slots [sinks, num_candidates) compete for the heavy part
+        candidates = self.scores[:, sinks:num_candidates]
         # Sorting the reversed candidates stably puts, among equal scores, the newer token first.
         order = torch.argsort(candidates.flip(-1), dim=-1, descending=True, stable=True)[:, :heavy]
         heavy_slots = (num_candidates - 1 - order).sort(dim=-1).values
-        recent_slots = torch.arange(num_candidates, n).expand(self._keys.shape[0], recent)
-        keep = torch.cat([heavy_slots, recent_slots], dim=-1)  # [num_kv_heads, heavy + recent]
-        kept = heavy + recent
+        num_kv_heads = self._keys.shape[0]
+        sink_slots = torch.arange(sinks).expand(num_kv_heads, sinks)
+        recent_slots = torch.arange(num_candidates, n).expand(num_kv_heads, recent)
+        # keep: [num_kv_heads, sinks + heavy + recent], ascending
+        keep = torch.cat([sink_slots, heavy_slots, recent_slots], dim=-1)
+        kept = sinks + heavy + recent
         for buf in (self._positions, self._scores):
             buf[:, :kept] = buf.gather(1, keep)
         for buf in (self._keys, self._values):
@@ -111,13 +116,23 @@ class SequenceState:
         return self.layers[0].kv_len
 
     def compact_if_due(self) -> bool:
-        """The cadence (see Cadence): after the prompt, shrink back to heavy + recent once the
-        cache has grown ``interval`` tokens past it. Returns whether it compacted."""
+        """The cadence (see Cadence): after the prompt, shrink back to ``budget.tokens`` (sinks +
+        heavy + recent) once the cache has grown ``interval`` tokens past it. Returns whether it
+        compacted."""
         budget = self.budget
         if budget is None or self.num_tokens < self.prompt_len:
             return False
-        if self.kv_len < budget.heavy + budget.recent + budget.interval:
+        if self.kv_len < budget.tokens + budget.interval:
             return False
         for layer in self.layers:
-            layer.compact(budget.heavy, budget.recent)
+            layer.compact(budget.heavy, budget.recent, budget.sinks)
         return True
+
+    def query_weights(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[n] fp32 ``Budget.query_weight`` of the queries at logical ``positions``, or None when
+        every one is 1 (no observation window in effect: the paper's plain sum)."""
+        if self.budget is None or self.budget.obs_window is None:
+            return None
+        weights = torch.tensor([self.budget.query_weight(int(p), self.prompt_len) for p in positions],
+                               dtype=torch.float32)
+        return None if bool((weights == 1).all()) else weights

@@ -25,8 +25,19 @@ class H2OOracle:
     submodules are used: attention, scores and compaction are computed here, in fp32.
 
     ``config``: the H2O budget and cadence; ``None`` keeps every token (a full cache). Each
-    sequence's ``Budget`` is resolved from it once, as vLLM resolves it: an unset ``interval``
-    is one KV block of ``block_size`` tokens (the engine's), so ``block_size`` is needed then.
+    sequence's ``Budget`` is resolved from it once (``H2OConfig.budget``), as vLLM resolves it:
+    an unset ``interval`` is one KV block of ``block_size`` tokens (the engine's), so
+    ``block_size`` is needed then. Every field of the ``Budget`` is honoured:
+
+    - ``heavy``, ``recent``, ``sinks``: at compaction each (layer, KV head) keeps its first
+      ``sinks`` live tokens (logical 0..sinks-1, never evicted), its ``recent`` newest and the
+      ``heavy`` highest-scoring of the rest (ties keep the more recent); ``recent`` already
+      includes the ``min_tokens`` floor. ``tokens`` (= sinks + heavy + recent) is the size
+      compacted back to, and with ``interval`` the cadence: compact when, after the prompt,
+      ``kv_len >= tokens + interval``.
+    - ``decay`` and ``query_weight`` (``obs_window``): queries in order, each does
+      ``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``attend_and_score``); with
+      decay 1 and every weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged.
 
     Each sequence is its own H2O instance (its own prompt length, budget and scores). The prompt
     is one prefill step; each later token is one decode step. After each call, ``last_states``
@@ -102,10 +113,13 @@ class H2OOracle:
         hidden = body.embed_tokens(torch.tensor([token_ids]))  # [1, num_new, hidden]
         # RoPE at logical positions; cos, sin: [1, num_new, head_dim]
         cos, sin = body.rotary_emb(hidden, positions.unsqueeze(0))
+        decay = 1.0 if state.budget is None else state.budget.decay
+        weights = state.query_weights(positions)  # None: every query counts fully
         for layer, cache in zip(body.layers, state.layers):
             residual = hidden
             attn_in = layer.input_layernorm(hidden)
-            hidden = residual + self._attention(layer.self_attn, attn_in, cache, positions, cos[0], sin[0])
+            hidden = residual + self._attention(layer.self_attn, attn_in, cache, positions, cos[0], sin[0],
+                                                decay, weights)
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         state.num_tokens += len(token_ids)
@@ -113,7 +127,8 @@ class H2OOracle:
         return self.model.lm_head(body.norm(hidden[:, -1])).float()[0]
 
     def _attention(self, attn, hidden: torch.Tensor, cache: LayerCache, positions: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, decay: float = 1.0,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
         num_new = hidden.shape[1]
 
         def heads(proj, num_heads, norm=None):  # -> [num_heads, num_new, head_dim]
@@ -129,5 +144,6 @@ class H2OOracle:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         cache.append(k, v, positions)
-        out = attend_and_score(q, cache, self.scaling, self.query_chunk)  # [num_new, q_heads * head_dim]
+        # out: [num_new, q_heads * head_dim]
+        out = attend_and_score(q, cache, self.scaling, self.query_chunk, decay=decay, weights=weights)
         return attn.o_proj(out.to(hidden.dtype).unsqueeze(0))

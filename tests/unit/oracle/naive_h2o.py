@@ -6,9 +6,16 @@ forward hook turns it into a per-layer, per-query-head additive mask in which ev
 exactly the tokens that were live when that query ran, so the recomputed hidden states equal the
 original ones. Scores are recomputed from scratch at every step as column sums of all recorded
 probabilities; compaction is an explicit Python loop; the cadence is the closed form
-``kv_len(n) = n if n < start else heavy + recent + (n - start) % interval``. The budget is
-resolved here from the config's parts, and an unset interval is one KV block (``block_size``),
-as vLLM and the oracle resolve it.
+``kv_len(n) = n if n < start else budget + (n - start) % interval`` with budget = sinks + heavy +
+recent. The budget is resolved here from the config's fields (not through ``H2OConfig.budget``),
+and an unset interval is one KV block (``block_size``), as vLLM and the oracle resolve it.
+
+Score modes past the paper, each in the same from-scratch style: after ``N`` queries (all
+tokens so far, in order), ``s(t) = sum_i decay**(N-1-i) * w_i * p_i(t)``, the unrolled form of
+"each query does s <- decay*s + w_i*p_i", with ``w_i = 0`` for a prompt query before the
+observation window (``i < prompt_len - obs_window``), else 1. Sinks: tokens at logical position
+``< sink_tokens`` are never evicted. ``min_tokens``: the recent part grows until sinks + heavy +
+recent reaches it.
 """
 from __future__ import annotations
 
@@ -39,9 +46,16 @@ class NaiveH2O:
         # dropped_at[layer][kv_head][t]: token count at the end of the step that evicted t.
         self.dropped_at = [[[] for _ in range(self.num_kv)] for _ in range(self.num_layers)]
         self.scores: list[list[list[float]]] = []
+        self.sinks, self.decay, self.obs_window = 0, 1.0, None
         if config is not None:
+            self.sinks = config.sink_tokens or 0
             self.heavy = config.part_budget("heavy", self.prompt_len)
             self.recent = config.part_budget("recent", self.prompt_len)
+            floor = config.min_tokens or 0
+            if self.sinks + self.heavy + self.recent < floor:
+                self.recent = floor - self.sinks - self.heavy
+            self.decay = 1.0 if config.decay is None else float(config.decay)
+            self.obs_window = config.obs_window
             if config.interval is not None:
                 self.interval = config.interval
             else:
@@ -89,10 +103,14 @@ class NaiveH2O:
     def _live(self, layer: int, kv: int) -> list[int]:
         return [t for t in range(len(self.tokens)) if self.dropped_at[layer][kv][t] == NEVER]
 
+    @property
+    def budget_tokens(self) -> int:
+        return self.sinks + self.heavy + self.recent
+
     def _due(self, n: int) -> bool:
         if self.config is None:
             return False
-        budget = self.heavy + self.recent
+        budget = self.budget_tokens
         start = max(self.prompt_len, budget + self.interval)
         return n >= start and (n - start) % self.interval == 0
 
@@ -106,17 +124,40 @@ class NaiveH2O:
         logits, probs = self._forward()
         group = self.num_q // self.num_kv
         # scores from scratch: every probability any query ever gave each token, summed over the group
-        self.scores = [[probs[layer][kv * group:(kv + 1) * group].sum(dim=(0, 1)).tolist()
-                        for kv in range(self.num_kv)] for layer in range(self.num_layers)]
+        coef = self._query_coefficients(n)
+        if coef is None:  # the paper: a plain sum
+            self.scores = [[probs[layer][kv * group:(kv + 1) * group].sum(dim=(0, 1)).tolist()
+                            for kv in range(self.num_kv)] for layer in range(self.num_layers)]
+        else:  # query i's row of probabilities weighted by decay**(n-1-i) * w_i, in fp64
+            self.scores = [[(probs[layer][kv * group:(kv + 1) * group].double().sum(dim=0)
+                             * coef[:, None]).sum(dim=0).tolist()
+                            for kv in range(self.num_kv)] for layer in range(self.num_layers)]
         if self._due(n):
             for layer in range(self.num_layers):
                 for kv in range(self.num_kv):
                     self._evict(layer, kv, n)
         return logits
 
+    def _query_coefficients(self, n: int) -> torch.Tensor | None:
+        """[n] fp64 weight of query i's probabilities in the scores after n queries (None: all 1)."""
+        window = self.obs_window is not None and self.prompt_len - self.obs_window > 0
+        if self.decay == 1.0 and not window:
+            return None
+        coef = []
+        for i in range(n):
+            weight = 0.0 if (i < self.prompt_len and self.obs_window is not None
+                             and i < self.prompt_len - self.obs_window) else 1.0
+            coef.append(self.decay ** (n - 1 - i) * weight)
+        return torch.tensor(coef, dtype=torch.float64)
+
     def _evict(self, layer: int, kv: int, n: int) -> None:
         live = self._live(layer, kv)
-        keep = set(live[len(live) - self.recent:]) if self.recent else set()
+        sinks = [t for t in live if t < self.sinks]
+        assert sinks == list(range(self.sinks)), "a sink token was evicted"
+        keep = set(sinks)
+        live = [t for t in live if t >= self.sinks]  # the rest compete as in the paper
+        if self.recent:
+            keep.update(live[len(live) - self.recent:])
         rest = live[: len(live) - self.recent]
         # Highest score first; among equal scores the more recent token first.
         ranked = sorted(rest, key=lambda t: (-self.scores[layer][kv][t], -t))
@@ -140,8 +181,8 @@ class NaiveH2O:
         n = len(self.tokens)
         if self.config is None:
             return n
-        start = max(self.prompt_len, self.heavy + self.recent + self.interval)
-        return n if n < start else self.heavy + self.recent + (n - start) % self.interval
+        start = max(self.prompt_len, self.budget_tokens + self.interval)
+        return n if n < start else self.budget_tokens + (n - start) % self.interval
 
 
 def naive_generate(model, config: H2OConfig | None, prompt: list[int], max_new_tokens: int, *,
