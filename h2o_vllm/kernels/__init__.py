@@ -85,6 +85,23 @@ def check_lens(name: str, t: torch.Tensor, n: int, device: torch.device) -> None
         raise ValueError(f"{name} must be contiguous")
 
 
+def check_weights(query_weight: torch.Tensor | None, num_tokens: int,
+                  score_scale: torch.Tensor | None, num_rows: int, device: torch.device) -> bool:
+    """Validate the optional decay / query-weight pair; True when the weighted variant runs."""
+    if (query_weight is None) != (score_scale is None):
+        raise ValueError("query_weight and score_scale go together: give both or neither")
+    if query_weight is None:
+        return False
+    for name, t, n in (("query_weight", query_weight, num_tokens),
+                       ("score_scale", score_scale, num_rows)):
+        if t.dim() != 1 or t.shape[0] < n or t.dtype != torch.float32 or t.device != device:
+            raise ValueError(f"{name} must be [>= {n}] float32 on {device}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+    return True
+
+
 def check_tile(**tiles: int) -> None:
     for name, size in tiles.items():  # tl.dot needs power-of-two dims of at least 16
         if size < 16 or size & (size - 1):

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h2o_vllm.kernels import check_lens, check_paged, check_query, check_tile, dot_precision
+from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_tile, check_weights,
+                              dot_precision)
 from h2o_vllm.kernels.tiles import LOG2E, load_key_tile
 
 
@@ -69,13 +70,17 @@ def prefill_lse_kernel(
 
 @triton.jit
 def accumulate_prefill_scores_kernel(
-        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores, scale_log2,
+        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores, query_weight,
+        score_scale, scale_log2,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        WEIGHTED: tl.constexpr):
     # One program per (row, KV head, tile of BLOCK_N KV positions): it owns those score columns
-    # and loops over the (query, group head) tiles that can see them.
+    # and loops over the (query, group head) tiles that can see them. Weighted: the columns'
+    # old scores are decayed once, at the store, and each query's probabilities are weighted
+    # (the lse of pass 1 is the plain softmax normaliser: weights scale probabilities only).
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     n0 = tl.program_id(2) * BLOCK_N
@@ -109,9 +114,16 @@ def accumulate_prefill_scores_kernel(
         visible = (m_mask[:, None] & n_mask[None, :]
                    & (offs_n[None, :] <= (ctx_len + tok)[:, None]))
         p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
+        if WEIGHTED:
+            w = tl.load(query_weight + (q_start + tok).to(tl.int64), mask=m_mask, other=0.0)
+            p = p * w[:, None]
         acc += tl.sum(p, axis=0)
     ptr = scores + blk * stride_sb + kv_head * stride_sh + (offs_n % block_size) * stride_ss
-    tl.store(ptr, tl.load(ptr, mask=n_mask, other=0.0) + acc, mask=n_mask)
+    if WEIGHTED:
+        old = tl.load(ptr, mask=n_mask, other=0.0) * tl.load(score_scale + row)
+        tl.store(ptr, old + acc, mask=n_mask)
+    else:
+        tl.store(ptr, tl.load(ptr, mask=n_mask, other=0.0) + acc, mask=n_mask)
 
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
@@ -150,9 +162,16 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               block_table: torch.Tensor, query_start_loc: torch.Tensor,
                               kv_seq_lens: torch.Tensor, scores: torch.Tensor, scale: float, *,
                               max_query_len: int | None = None, max_kv_len: int | None = None,
+                              query_weight: torch.Tensor | None = None,
+                              score_scale: torch.Tensor | None = None,
                               block_m: int = 64, block_n: int = 64) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t].
+
+    Weighted (both or neither, fp32): query_weight [num_tokens] indexed like query and
+    score_scale [num_rows]; scores of every live t of a row become score_scale[row] * scores
+    + sum over its queries q of query_weight[q] * (q's group sum). A separately compiled
+    variant: the unweighted kernel is unchanged, and prefill_lse is the same for both.
 
     query: [num_tokens, num_q_heads, head_size] packed by query_start_loc [num_rows + 1] int32;
     kv_seq_lens [num_rows] int32 counts this step's tokens (already in the cache), so a row may
@@ -161,6 +180,9 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     that see it (Q and lse read once per KV tile); QK^T is computed twice in all.
     """
     check_paged("key_cache", key_cache, block_table, scores)
+    # query_weight's length is query_start_loc[-1], on the device: not checked (no sync).
+    weighted = check_weights(query_weight, 0, score_scale, query_start_loc.shape[0] - 1,
+                             key_cache.device)
     lse = prefill_lse(query, key_cache, block_table, query_start_loc, kv_seq_lens, scale,
                       max_query_len=max_query_len, block_m=block_m, block_n=block_n)
     num_rows = query_start_loc.shape[0] - 1
@@ -173,9 +195,10 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     grid = (num_rows, num_kv_heads, triton.cdiv(max_kv_len, block_n))
     accumulate_prefill_scores_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores,
+        query_weight if weighted else scores, score_scale if weighted else scores,  # unread
         float(scale) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1), scores.stride(2),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype))
+        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted)

@@ -25,11 +25,13 @@ def _row_keys(key_cache: torch.Tensor, block_table: torch.Tensor, row: int,
     return key_cache[blk, off].float(), blk, off
 
 
-def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax of the q_len last positions of a row, summed over queries and group.
+def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax of the q_len last positions of a row, summed over queries and group
+    (each query's probabilities times weight[query] when given).
 
-    q: [q_len, num_q_heads, head_size] fp32; k: [kv_len, num_kv_heads, head_size] fp32.
-    Returns [kv_len, num_kv_heads] fp32.
+    q: [q_len, num_q_heads, head_size] fp32; k: [kv_len, num_kv_heads, head_size] fp32;
+    weight: [q_len] fp32. Returns [kv_len, num_kv_heads] fp32.
     """
     q_len, kv_len, num_kv_heads = q.shape[0], k.shape[0], k.shape[1]
     q = q.view(q_len, num_kv_heads, -1, q.shape[-1])  # [q_len, kv_head, group, head_size]
@@ -37,19 +39,24 @@ def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
     visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
     probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    if weight is not None:
+        probs = probs * weight[:, None]
     return probs.sum(dim=(1, 2)).T
 
 
 def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
                              block_table: torch.Tensor, kv_seq_lens: torch.Tensor,
-                             scores: torch.Tensor, scale: float, **_tiles: int) -> None:
+                             scores: torch.Tensor, scale: float, *,
+                             query_weight: torch.Tensor | None = None,
+                             score_scale: torch.Tensor | None = None, **_tiles: int) -> None:
     """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t].
 
-    query: [num_rows, num_q_heads, head_size], one decode query per row.
+    query: [num_rows, num_q_heads, head_size], one decode query per row. Weighted (query_weight,
+    score_scale [num_rows]): scores = score_scale[row] * scores + query_weight[row] * that sum.
     """
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     accumulate_prefill_scores(query, key_cache, block_table, query_start_loc, kv_seq_lens,
-                              scores, scale)
+                              scores, scale, query_weight=query_weight, score_scale=score_scale)
 
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
@@ -73,19 +80,29 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
 
 def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                              kv_seq_lens: torch.Tensor, scores: torch.Tensor, scale: float,
-                              **_tiles: int) -> None:
+                              kv_seq_lens: torch.Tensor, scores: torch.Tensor, scale: float, *,
+                              query_weight: torch.Tensor | None = None,
+                              score_scale: torch.Tensor | None = None, **_tiles: int) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
-    group of the causal softmax(scale * q . K^T)[t]; kv_seq_lens includes this step's tokens."""
+    group of the causal softmax(scale * q . K^T)[t]; kv_seq_lens includes this step's tokens.
+
+    Weighted (query_weight [num_tokens] indexed like query, score_scale [num_rows]): each
+    live t first becomes score_scale[row] * scores, then adds query_weight[q] * q's group sum."""
+    if (query_weight is None) != (score_scale is None):
+        raise ValueError("query_weight and score_scale go together: give both or neither")
     for row in range(query_start_loc.shape[0] - 1):
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         kv_len = int(kv_seq_lens[row])
         if end == start or kv_len == 0:
             continue
         k, blk, off = _row_keys(key_cache, block_table, row, kv_len)
-        col = _row_probs(query[start:end].float(), k, scale)  # [kv_len, num_kv_heads]
+        weight = None if query_weight is None else query_weight[start:end]
+        col = _row_probs(query[start:end].float(), k, scale, weight)  # [kv_len, num_kv_heads]
         heads = torch.arange(k.shape[1], device=k.device)
-        scores.index_put_((blk[:, None], heads[None, :], off[:, None]), col, accumulate=True)
+        index = (blk[:, None], heads[None, :], off[:, None])
+        if score_scale is not None:  # live slots of one row are distinct: no slot scaled twice
+            scores[index] = scores[index] * score_scale[row]
+        scores.index_put_(index, col, accumulate=True)
 
 
 def compact_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: torch.Tensor,

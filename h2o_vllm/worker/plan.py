@@ -31,6 +31,19 @@ class StepPlan:
     sinks: torch.Tensor
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
+    # Score decay and query weights (config.Budget; docs/score-modes.md). A row whose queries
+    # sit at logical positions a..b updates each live token t as
+    #   s(t) <- score_scale[row] * s(t) + sum_i query_weights[i] * p_i(t),
+    # score_scale = decay^(b - a + 1), query_weights[i] = decay^(b - i) * w_i: one fused update
+    # per step, equal to decaying once per query. None (both) when every weight and factor is 1
+    # (paper H2O): the devices then run exactly the unweighted arithmetic, at no extra cost.
+    decay: torch.Tensor | None = None          # [num_reqs] fp32
+    query_weights: torch.Tensor | None = None  # [num_tokens] fp32, one per scheduled token
+    score_scale: torch.Tensor | None = None    # [num_reqs] fp32
+
+    @property
+    def weighted(self) -> bool:
+        return self.query_weights is not None
 
 
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
@@ -42,9 +55,37 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval)
     seq_lens = before + query_lens
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    decay = torch.tensor([b.decay for b in budgets], dtype=torch.float32)
+    weights = scale = None
+    if any(b.decay != 1.0 or b.obs_window is not None for b in budgets):
+        weights, scale = _query_weights(num_computed, query_lens, prompt_lens, budgets, starts)
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
                     kv_lens_after=after, heavy=heavy, sinks=sinks, due=after < seq_lens,
-                    query_starts=torch.cumsum(query_lens, 0) - query_lens)
+                    query_starts=starts, decay=decay, query_weights=weights, score_scale=scale)
+
+
+def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
+                   budgets: Sequence[Budget], starts: torch.Tensor):
+    """(query_weights [num_tokens], score_scale [num_reqs]) fp32, or (None, None) when all are 1.
+
+    Budget.query_weight is a step in the position: 0 below prompt_len - obs_window, 1 from it
+    on; it is evaluated here for all tokens at once (tests/unit/worker/test_plan.py checks the
+    two agree), since a prompt chunk can hold thousands of tokens. Powers are taken in fp64.
+    """
+    decay = torch.tensor([b.decay for b in budgets], dtype=torch.float64)
+    # No window: every position counts (positions are >= 0). A window past the prompt's start
+    # gives a negative first position, so again every query counts.
+    first = torch.tensor([0 if b.obs_window is None else int(p) - b.obs_window
+                          for b, p in zip(budgets, prompt_lens.tolist())], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(query_lens.shape[0]), query_lens)
+    j = torch.arange(rows.shape[0]) - starts[rows]          # index of the token in its row
+    counts = (num_computed[rows] + j >= first[rows]).to(torch.float64)
+    weights = (decay[rows] ** (query_lens[rows] - 1 - j) * counts).to(torch.float32)
+    scale = (decay ** query_lens).to(torch.float32)
+    if bool((weights == 1).all()) and bool((scale == 1).all()):
+        return None, None  # e.g. an obs_window row past its prompt: paper arithmetic
+    return weights, scale
 
 
 def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: torch.Tensor,

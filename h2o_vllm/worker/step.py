@@ -52,6 +52,11 @@ class H2OStep:
     max_prefill_kv_len: int
     due: tuple[DueGroup, ...]
     device_index: Any = None           # what the device's ops precompute once per step
+    # Decay and query weights (StepPlan.query_weights / score_scale) on the device; None on
+    # an unweighted (paper H2O) step. Indexed like the queries: query_weight by token
+    # (decode_tokens, prefill_tokens), score_scale by row (decode_rows, prefill_rows).
+    query_weight: torch.Tensor | None = None   # [num_tokens] fp32
+    score_scale: torch.Tensor | None = None    # [num_rows] fp32
 
 
 class DeviceOps(Protocol):
@@ -65,7 +70,9 @@ class DeviceOps(Protocol):
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: Any, scores: torch.Tensor,
                    scale: float) -> None:
-        """Add this step's softmax probabilities, summed over each KV head's query group."""
+        """Add this step's softmax probabilities, summed over each KV head's query group; on a
+        weighted step, first scale each row's live scores by step.score_scale[row] and weight
+        each query's probabilities by step.query_weight[token]."""
 
     def compact(self, views: Any, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:
@@ -119,7 +126,12 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
         decode_rows=decode_rows, decode_tokens=decode_tokens, prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens, prefill_query_start_loc=prefill_qsl,
         max_prefill_query_len=max_q, max_prefill_kv_len=max_kv,
-        due=_due_groups(plan, block_table, block_size))
+        due=_due_groups(plan, block_table, block_size),
+        query_weight=_fp32_to(plan.query_weights, device), score_scale=_fp32_to(plan.score_scale, device))
+
+
+def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else _to(t, device, torch.float32)
 
 
 def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
@@ -142,7 +154,8 @@ def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> t
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
                               scores: torch.Tensor, scale: float) -> torch.Tensor:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
-    written; slots are reused across requests), add this step's probabilities, compact due rows.
+    written; slots are reused across requests), add this step's probabilities (decayed and
+    weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
 
     ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
     compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,

@@ -23,20 +23,27 @@ class CPUOps:
         if step.decode_rows is None:
             return None
         rows = step.decode_rows
-        return decode_index(step.block_table[rows], step.plan.kv_seq_lens[rows], block_size)
+        return decode_index(step.block_table[rows], step.plan.kv_seq_lens[rows], block_size,
+                            weighted=step.score_scale is not None)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,
                    scores: torch.Tensor, scale: float) -> None:
+        weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         if step.device_index is not None:
-            accumulate_decode_scores_at(query[step.decode_tokens], views.key_blocks, scores,
-                                        step.device_index, scale)
+            tokens, rows = step.decode_tokens, step.decode_rows
+            accumulate_decode_scores_at(query[tokens], views.key_blocks, scores,
+                                        step.device_index, scale,
+                                        None if weights is None else weights[tokens],
+                                        None if factors is None else factors[rows])
         if step.prefill_rows is None:
             return
         plan = step.plan
         for row in step.prefill_rows.tolist():
             start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
             accumulate_prefill_scores(query[start:start + q_len], views.key_blocks, scores,
-                                      step.block_table[row], int(plan.kv_seq_lens[row]), scale)
+                                      step.block_table[row], int(plan.kv_seq_lens[row]), scale,
+                                      None if weights is None else weights[start:start + q_len],
+                                      None if factors is None else factors[row])
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

@@ -7,6 +7,10 @@ Keys are read whole blocks at a time in the cache's own layout (``layout.py``: K
 [num_blocks, num_kv_heads, head_size, block_size]) and scores are added per block with
 ``index_add_``: no per-token gathers. Positions past a row's length get probability exactly
 0, so the stale block-table entries they come from are left unchanged.
+Weighted steps (score decay, query weights; ``StepPlan.score_scale``): a row's live blocks
+are scaled by its factor before the add. Rows never share blocks (prefix caching is off with
+H2O), so this touches no other row; slots past the row's length in its last block are stale
+and are zeroed before their next use, so scaling them is harmless.
 """
 from __future__ import annotations
 
@@ -27,29 +31,54 @@ class DecodeIndex:
     """Where a step's decode rows read their keys; the same for every layer, built once."""
     blocks: torch.Tensor   # int64 [R * nb]: each row's first nb blocks, row-major
     padding: torch.Tensor  # bool [R, 1, 1, nb * block_size]: True past the row's length
+    # Weighted steps only (else None): the blocks holding each row's live tokens, and the row
+    # of each. ``blocks`` cannot be scaled: a short row's entries past its length are stale
+    # and may name another row's blocks (adding 0 there is harmless, scaling is not).
+    live_blocks: torch.Tensor | None = None  # int64 [sum of each row's block count]
+    live_rows: torch.Tensor | None = None    # int64, same length: index into the R rows
 
 
-def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_size: int) -> DecodeIndex:
+def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_size: int,
+                 weighted: bool = False) -> DecodeIndex:
     """block_table: [R, max_blocks]; kv_seq_lens: [R] int64 (padded to the longest row)."""
     num_row_blocks = int((kv_seq_lens.max() + block_size - 1) // block_size)
     pos = torch.arange(num_row_blocks * block_size)
-    return DecodeIndex(blocks=block_table[:, :num_row_blocks].long().flatten(),
-                       padding=(pos[None, :] >= kv_seq_lens[:, None])[:, None, None, :])
+    blocks = block_table[:, :num_row_blocks].long()
+    live_blocks = live_rows = None
+    if weighted:
+        live = torch.arange(num_row_blocks)[None, :] * block_size < kv_seq_lens[:, None]
+        live_blocks = blocks[live]
+        live_rows = torch.arange(blocks.shape[0])[:, None].expand_as(blocks)[live]
+    return DecodeIndex(blocks=blocks.flatten(),
+                       padding=(pos[None, :] >= kv_seq_lens[:, None])[:, None, None, :],
+                       live_blocks=live_blocks, live_rows=live_rows)
+
+
+def _scale_blocks(scores: torch.Tensor, blocks: torch.Tensor, factor: torch.Tensor) -> None:
+    """scores[blocks[i]] *= factor[i] (blocks distinct), in place; scores may be a strided view."""
+    scores.index_copy_(0, blocks, scores.index_select(0, blocks) * factor[:, None, None])
 
 
 def accumulate_decode_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
-                             block_table: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float) -> None:
+                             block_table: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float,
+                             query_weight: torch.Tensor | None = None,
+                             score_scale: torch.Tensor | None = None) -> None:
     """One query per row, all rows at once. query: [R, num_heads, head_size]; block_table:
     [R, max_blocks]; kv_seq_lens: [R] int64. key_blocks: [num_blocks, num_kv_heads,
     head_size, block_size]; scores: [num_blocks, num_kv_heads, block_size] fp32.
+    Weighted (both or neither, [R] fp32): scores = score_scale[row] * scores
+    + query_weight[row] * probs.
     """
-    index = decode_index(block_table, kv_seq_lens, key_blocks.shape[3])
-    accumulate_decode_scores_at(query, key_blocks, scores, index, scale)
+    index = decode_index(block_table, kv_seq_lens, key_blocks.shape[3], score_scale is not None)
+    accumulate_decode_scores_at(query, key_blocks, scores, index, scale, query_weight, score_scale)
 
 
 def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
-                                index: DecodeIndex, scale: float) -> None:
-    """``accumulate_decode_scores`` with the step's ``DecodeIndex`` already built.
+                                index: DecodeIndex, scale: float,
+                                query_weight: torch.Tensor | None = None,
+                                score_scale: torch.Tensor | None = None) -> None:
+    """``accumulate_decode_scores`` with the step's ``DecodeIndex`` already built (with
+    ``weighted=True`` when score_scale is given).
 
     Each (row, block, KV head) key tile is already a contiguous [head_size, block_size]
     matrix in the cache, so one broadcast matmul takes it as is: no transposed copy of K.
@@ -64,15 +93,23 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
     logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
     logits.mul_(scale).masked_fill_(index.padding, float("-inf"))
     probs = logits.softmax(dim=-1).sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)
+    if score_scale is not None:
+        if index.live_blocks is None:
+            raise ValueError("a weighted decode step needs decode_index(..., weighted=True)")
+        probs.mul_(query_weight[:, None, None, None])
+        _scale_blocks(scores, index.live_blocks, score_scale[index.live_rows])
     scores.index_add_(0, index.blocks, probs.transpose(1, 2).reshape(-1, num_kv_heads, block_size))
 
 
 def accumulate_prefill_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
-                              block_table_row: torch.Tensor, kv_seq_len: int, scale: float) -> None:
+                              block_table_row: torch.Tensor, kv_seq_len: int, scale: float,
+                              query_weight: torch.Tensor | None = None,
+                              score_scale: torch.Tensor | None = None) -> None:
     """Several causal queries of one row (a prompt or a chunk of it), in query chunks.
 
     query: [q_len, num_heads, head_size], the row's last q_len KV positions; key_blocks and
     scores as in ``accumulate_decode_scores``. Never holds more than one chunk of logits.
+    Weighted (both or neither): query_weight [q_len] fp32, score_scale the row's factor (0-dim).
     """
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
@@ -88,5 +125,10 @@ def accumulate_prefill_scores(query: torch.Tensor, key_blocks: torch.Tensor, sco
         query_pos = kv_seq_len - q_len + start + torch.arange(qc.shape[0])
         logits = torch.einsum("chgd,hdl->hgcl", qc, k).mul_(scale)
         logits.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        total += logits.softmax(dim=-1).sum(dim=(1, 2))
+        probs = logits.softmax(dim=-1)                              # [Hkv, G, chunk, L']
+        if query_weight is not None:
+            probs.mul_(query_weight[start:start + chunk, None])
+        total += probs.sum(dim=(1, 2))
+    if score_scale is not None:  # blocks: this row's live blocks, each once
+        _scale_blocks(scores, blocks, score_scale.expand(num_row_blocks))
     scores.index_add_(0, blocks, total.view(num_kv_heads, num_row_blocks, block_size).transpose(0, 1))

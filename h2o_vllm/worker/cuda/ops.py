@@ -31,18 +31,26 @@ class TritonOps:
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                    scores: torch.Tensor, scale: float) -> None:
         from h2o_vllm import kernels
+        weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         if step.decode_rows is not None:
+            tokens, rows = step.decode_tokens, step.decode_rows
             kernels.accumulate_decode_scores(
-                query[step.decode_tokens], views.keys, step.block_table[step.decode_rows],
-                step.kv_seq_lens[step.decode_rows], scores, scale)
+                query[tokens], views.keys, step.block_table[rows], step.kv_seq_lens[rows],
+                scores, scale, query_weight=_take(weights, tokens), score_scale=_take(factors, rows))
         if step.prefill_rows is not None:
-            q = query if step.prefill_tokens is None else query[step.prefill_tokens]
+            tokens, rows = step.prefill_tokens, step.prefill_rows
+            q, w = (query, weights) if tokens is None else (query[tokens], _take(weights, tokens))
             kernels.accumulate_prefill_scores(
-                q, views.keys, step.block_table[step.prefill_rows], step.prefill_query_start_loc,
-                step.kv_seq_lens[step.prefill_rows], scores, scale,
-                max_query_len=step.max_prefill_query_len, max_kv_len=step.max_prefill_kv_len)
+                q, views.keys, step.block_table[rows], step.prefill_query_start_loc,
+                step.kv_seq_lens[rows], scores, scale,
+                max_query_len=step.max_prefill_query_len, max_kv_len=step.max_prefill_kv_len,
+                query_weight=w, score_scale=_take(factors, rows))
 
     def compact(self, views: TritonCacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:
         from h2o_vllm import kernels
         kernels.compact_rows(views.keys, views.values, scores, block_table, rows, keep)
+
+
+def _take(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[index]

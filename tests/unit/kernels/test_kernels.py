@@ -1,13 +1,13 @@
 """Triton kernels (h2o_vllm.kernels) against their torch twins, and the twins against dense math.
 
-Without a GPU the kernels run under Triton's interpreter: TRITON_INTERPRET must be set before
-``@triton.jit`` runs (at import of the kernel modules), hence the setdefault above the imports.
-Export TRITON_INTERPRET=0 on a CUDA machine to run the same tests compiled on the GPU.
-Sizes are small because the interpreter is slow (numpy per program).
+Without a GPU the kernels run under Triton's interpreter (``kernel_cases`` sets
+TRITON_INTERPRET=1 before the kernel modules are imported); export TRITON_INTERPRET=0 on a
+CUDA machine to run the same tests compiled on the GPU. Each score op is checked unweighted
+(paper H2O) and weighted (score decay and query weights: ``query_weight``, ``score_scale``).
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_cases import (DEVICE, INTERPRETED, NUM_KV_HEADS, SHAPE_IDS, SHAPES, TOL,  # isort: skip
+                          dense_row_keys, dense_scores, int32, make_cache, make_query,
+                          make_weights)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,83 +16,37 @@ from h2o_vllm.kernels import twins  # noqa: E402
 from h2o_vllm.kernels import compact as compact_kernels  # noqa: E402
 from h2o_vllm.kernels import decode_scores, prefill_scores  # noqa: E402
 
-_INTERPRETED = type(decode_scores.accumulate_decode_scores_kernel).__name__ == "InterpretedFunction"
-if not _INTERPRETED and not torch.cuda.is_available():
+if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("Triton kernels were compiled (TRITON_INTERPRET unset when first imported) and "
                 "there is no GPU", allow_module_level=True)
-DEVICE = "cpu" if _INTERPRETED else "cuda"
-NUM_KV_HEADS = 2
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-3, atol=2e-3)}
-
-# (head_size, group, block_size, dtype): every value of each axis appears at least once.
-SHAPES = [
-    (64, 1, 16, torch.float32),
-    (128, 3, 32, torch.bfloat16),
-    (64, 8, 16, torch.bfloat16),
-    (128, 8, 32, torch.float32),
-    (64, 3, 16, torch.float32),
-]
-SHAPE_IDS = [f"d{d}-g{g}-bs{bs}-{str(t)[6:]}" for d, g, bs, t in SHAPES]
-
-
-def make_cache(kv_lens, head_size, block_size, dtype, seed=0):
-    """Random paged caches; each row gets a shuffled (non-contiguous) set of blocks.
-
-    Returns key_cache, value_cache [num_blocks, block_size, NUM_KV_HEADS, head_size],
-    scores [num_blocks, NUM_KV_HEADS, block_size] fp32 (random, so "+=" is checked),
-    block_table [num_rows, max_blocks] int32 (unused entries point at a poisoned block).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // block_size) for n in kv_lens]
-    num_blocks = sum(need) + 3
-    shape = (num_blocks, block_size, NUM_KV_HEADS, head_size)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
-    scores = torch.rand(num_blocks, NUM_KV_HEADS, block_size, generator=gen)
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
-    poison = 0  # block 0 is never allocated: NaN keys catch reads outside a row's live range
-    key_cache[poison] = float("nan")
-    block_table = torch.full((len(kv_lens), max(need) + 1), poison, dtype=torch.int32)
-    start = 0
-    for row, n in enumerate(need):
-        block_table[row, :n] = perm[start:start + n].to(torch.int32)
-        start += n
-    for row, n in enumerate(kv_lens):  # stale slots past kv_len in a row's last block
-        pos = torch.arange(n, need[row] * block_size)
-        key_cache[block_table[row, pos // block_size].long(), pos % block_size] = float("nan")
-    to = dict(device=DEVICE)
-    return (key_cache.to(**to), value_cache.to(**to), scores.to(**to), block_table.to(**to))
-
-
-def make_query(num_tokens, num_q_heads, head_size, dtype, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    # x2: peakier softmax than unit-variance logits, closer to trained models.
-    return (2 * torch.randn(num_tokens, num_q_heads, head_size, generator=gen)).to(dtype).to(DEVICE)
-
-
-def int32(values):
-    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
-
-def dense_row_keys(key_cache, block_table, row, kv_len):
-    block_size = key_cache.shape[1]
-    return torch.stack([key_cache[int(block_table[row, t // block_size]), t % block_size]
-                        for t in range(kv_len)]).float()  # [kv_len, heads, head_size]
 
 
 # ---- kernels vs torch twins -------------------------------------------------------------------
 
+def weights_of(weighted, q_lens):
+    """The launchers' weight keywords: none (paper H2O) or make_weights'."""
+    if not weighted:
+        return {}
+    query_weight, score_scale = make_weights(q_lens)
+    return dict(query_weight=query_weight, score_scale=score_scale)
+
+
+WEIGHTED = pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+
+
+@WEIGHTED
 @pytest.mark.parametrize("head_size,group,block_size,dtype", SHAPES, ids=SHAPE_IDS)
-def test_accumulate_decode_scores_matches_torch(head_size, group, block_size, dtype):
+def test_accumulate_decode_scores_matches_torch(head_size, group, block_size, dtype, weighted):
     kv_lens = [5, 100, 37, 1]  # shorter than a block, several blocks, ragged, a single key
     key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
     query = make_query(len(kv_lens), NUM_KV_HEADS * group, head_size, dtype)
+    weights = weights_of(weighted, [1] * len(kv_lens))
     expected = scores.clone()
     twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), expected,
-                                       head_size ** -0.5)
+                                   head_size ** -0.5, **weights)
     assert not torch.equal(expected, scores)
     decode_scores.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
-                                           head_size ** -0.5, block_n=32)
+                                           head_size ** -0.5, block_n=32, **weights)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
 
@@ -101,8 +55,9 @@ def test_accumulate_decode_scores_matches_torch(head_size, group, block_size, dt
 PREFILL_ROWS = [(5, 5), (30, 100), (37, 37), (1, 20)]
 
 
+@WEIGHTED
 @pytest.mark.parametrize("head_size,group,block_size,dtype", SHAPES, ids=SHAPE_IDS)
-def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, dtype):
+def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, dtype, weighted):
     q_lens, kv_lens = zip(*PREFILL_ROWS)
     key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
     query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
@@ -112,10 +67,37 @@ def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, d
     # Small tiles so every loop runs several times and ends ragged.
     lse = prefill_scores.prefill_lse(*args, scale, block_m=16, block_n=16)
     torch.testing.assert_close(lse, twins.prefill_lse(*args, scale), rtol=1e-5, atol=1e-4)
+    weights = weights_of(weighted, q_lens)
     expected = scores.clone()
-    twins.accumulate_prefill_scores(*args, expected, scale)
-    prefill_scores.accumulate_prefill_scores(*args, scores, scale, block_m=16, block_n=16)
+    twins.accumulate_prefill_scores(*args, expected, scale, **weights)
+    prefill_scores.accumulate_prefill_scores(*args, scores, scale, block_m=16, block_n=16,
+                                             **weights)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_unit_weights_are_the_plain_kernels_bit_for_bit(decode):
+    """Weights 1 and factors 1 (paper rows in a weighted batch) change no bit: the weighted
+    variant multiplies by exactly 1.0 where the plain one does not multiply."""
+    head_size, group, block_size, dtype = 64, 3, 16, torch.float32
+    q_lens, kv_lens = ([1] * 4, [5, 100, 37, 1]) if decode else zip(*PREFILL_ROWS)
+    key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
+    query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
+    ones = dict(query_weight=torch.ones(sum(q_lens), device=DEVICE),
+                score_scale=torch.ones(len(q_lens), device=DEVICE))
+    results = []
+    for weights in ({}, ones):
+        out = scores.clone()
+        if decode:
+            decode_scores.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens),
+                                                   out, 0.125, block_n=32, **weights)
+        else:
+            query_start_loc = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+            prefill_scores.accumulate_prefill_scores(
+                query, key_cache, block_table, query_start_loc, int32(kv_lens), out, 0.125,
+                block_m=16, block_n=16, **weights)
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], scores)
 
 
 def keep_patterns(kv_len, target, gen):
@@ -149,46 +131,40 @@ def test_compact_rows_matches_torch(head_size, group, block_size, dtype):
 
 # ---- torch twins vs dense math ----------------------------------------------------------------
 
-def dense_scores(query, keys, q_lens, kv_lens, group, scale):
-    """Per row, [kv_len, kv_heads] column sums of the causal softmax, one query head at a time."""
-    out, start = [], 0
-    for k, q_len, kv_len in zip(keys, q_lens, kv_lens):
-        col = torch.zeros(kv_len, k.shape[1], dtype=torch.float64)
-        for j in range(q_len):
-            pos = kv_len - q_len + j
-            for h in range(query.shape[1]):
-                logits = (k[:pos + 1, h // group].double() @ query[start + j, h].double()) * scale
-                col[:pos + 1, h // group] += torch.softmax(logits, dim=0)
-        out.append(col)
-        start += q_len
-    return out
-
-
+@WEIGHTED
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-def test_reference_scores_match_dense_softmax(decode):
+def test_reference_scores_match_dense_softmax(decode, weighted):
+    """Twins vs the dense formula: s(t) <- score_scale[row] * s(t) + sum_q query_weight[q] * p_q(t)
+    over the live t of each row (unweighted: factor 1, weights 1); every other slot unchanged."""
     head_size, group, block_size = 16, 2, 4
     q_lens, kv_lens = ([1, 1, 1], [3, 9, 6]) if decode else ([3, 4, 6], [3, 9, 6])
     key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, torch.float32)
     query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, torch.float32)
+    weights = weights_of(weighted, q_lens)
     before = scores.clone()
     if decode:
         twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
-                                           0.3)
+                                       0.3, **weights)
     else:
         query_start_loc = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
         twins.accumulate_prefill_scores(query, key_cache, block_table, query_start_loc,
-                                            int32(kv_lens), scores, 0.3)
+                                        int32(kv_lens), scores, 0.3, **weights)
     keys = [dense_row_keys(key_cache, block_table, r, n) for r, n in enumerate(kv_lens)]
-    dense = dense_scores(query.cpu(), [k.cpu() for k in keys], q_lens, kv_lens, group, 0.3)
+    weight = weights["query_weight"].cpu() if weighted else torch.ones(sum(q_lens))
+    factor = weights["score_scale"].cpu() if weighted else torch.ones(len(q_lens))
+    dense = dense_scores(query.cpu(), [k.cpu() for k in keys], q_lens, kv_lens, group, 0.3, weight)
     touched = torch.zeros_like(scores, dtype=torch.bool)
+    starts = [0] + torch.tensor(q_lens).cumsum(0).tolist()
     for row, (col, n) in enumerate(zip(dense, kv_lens)):
         for t in range(n):
             blk, off = int(block_table[row, t // block_size]), t % block_size
-            torch.testing.assert_close(scores[blk, :, off] - before[blk, :, off],
-                                       col[t].float().to(DEVICE), rtol=1e-5, atol=1e-6)
+            want = factor[row].double() * before[blk, :, off].cpu().double() + col[t]
+            torch.testing.assert_close(scores[blk, :, off], want.float().to(DEVICE),
+                                       rtol=1e-5, atol=1e-6)
             touched[blk, :, off] = True
-        # Each query's probabilities sum to 1: the column sums add up to q_len * num_q_heads.
-        assert col.sum().item() == pytest.approx(q_lens[row] * NUM_KV_HEADS * group)
+        # Each query's probabilities sum to 1: the column sums add up to sum_q w_q * num_q_heads.
+        total = float(weight[starts[row]:starts[row + 1]].double().sum()) * NUM_KV_HEADS * group
+        assert col.sum().item() == pytest.approx(total)
     assert torch.equal(scores[~touched], before[~touched])
 
 
@@ -231,3 +207,10 @@ def test_launchers_reject_bad_inputs():
     with pytest.raises(ValueError, match="keep_idx must be"):
         compact_kernels.compact_rows(key_cache, value_cache, scores, block_table, int32([0]),
                                      torch.zeros(1, 1, 4, dtype=torch.int64, device=DEVICE))
+    ones = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="give both or neither"):
+        decode(query, key_cache, block_table, lens, scores, 1.0, query_weight=ones)
+    with pytest.raises(ValueError, match="score_scale must be"):
+        prefill_scores.accumulate_prefill_scores(query, key_cache, block_table, int32([0, 1]), lens,
+                                                 scores, 1.0, query_weight=ones,
+                                                 score_scale=ones.double())

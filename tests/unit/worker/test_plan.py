@@ -1,4 +1,5 @@
 """worker.plan: the per-step plan of a batch, from the rows' logical counts and Budgets."""
+import pytest
 import torch
 
 from h2o_vllm.budgets import RequestBudgets
@@ -67,3 +68,33 @@ def test_record_compactions_counts_evicted_tokens(monkeypatch):
     plan = step_plan.make_step_plan(t([0, 3]), t([20, 1]), t([20, 10]), [Budget(2, 2, 1)] * 2)
     step_plan.record_compactions(plan)
     assert recorder.values == {"evicted_tokens": 16, "compactions": 1}
+
+
+def test_paper_budgets_make_an_unweighted_step():
+    plan = step_plan.make_step_plan(t([0, 30]), t([20, 1]), t([20, 30]), [Budget(2, 2, 1)] * 2)
+    assert plan.query_weights is None and plan.score_scale is None and not plan.weighted
+    assert plan.decay.tolist() == [1.0, 1.0] and plan.decay.dtype == torch.float32
+    # A window only weighs prompt queries: past the prompt with decay 1 the step is the paper's.
+    plan = step_plan.make_step_plan(t([30]), t([1]), t([30]), [Budget(2, 2, 1, obs_window=4)])
+    assert plan.query_weights is None and plan.score_scale is None
+
+
+def test_query_weights_follow_budget_query_weight_and_decay():
+    """Token j of row r (logical position i = num_computed[r] + j, last position b) weighs
+    decay^(b - i) * Budget.query_weight(i, prompt_len); each row's old scores decay^q_len."""
+    budgets = [Budget(2, 2, 1, decay=0.9, obs_window=5), Budget(2, 2, 1),
+               Budget(2, 2, 1, sinks=1, obs_window=3), Budget(2, 2, 1, decay=0.5)]
+    computed, query, prompt = [4, 0, 2, 40], [6, 3, 1, 1], [12, 3, 7, 30]  # row 0 straddles its window
+    plan = step_plan.make_step_plan(t(computed), t(query), t(prompt), budgets)
+    assert plan.weighted and plan.query_weights.dtype == plan.score_scale.dtype == torch.float32
+    expected = []
+    for budget, start, q_len, prompt_len in zip(budgets, computed, query, prompt):
+        last = start + q_len - 1
+        expected += [budget.decay ** (last - i) * budget.query_weight(i, prompt_len)
+                     for i in range(start, start + q_len)]
+    assert plan.query_weights.tolist() == pytest.approx(expected, rel=1e-6)
+    assert plan.query_weights.tolist()[:3] == [0.0, 0.0, 0.0]        # row 0: before its window
+    assert plan.query_weights.tolist()[6:9] == [1.0, 1.0, 1.0]      # the paper row
+    assert plan.query_weights.tolist()[9] == 0.0                     # row 2: before its window
+    assert plan.score_scale.tolist() == pytest.approx([0.9 ** 6, 1.0, 1.0, 0.5], rel=1e-6)
+    assert plan.decay.tolist() == pytest.approx([0.9, 1.0, 1.0, 0.5])

@@ -3,13 +3,13 @@ layer's sequence run with each device's ops.
 
 The Triton kernels (``TritonOps``) run under Triton's interpreter (TRITON_INTERPRET=1, set
 before any kernel module is imported) on CPU tensors; ``CPUOps`` runs on a cache in the CPU
-backend's own layout. Both go through the one ``update_scores_and_compact``, so equal results
-mean the two devices differ only where they should: how they read and write the cache.
-Not covered here: vLLM's own kernels (tests/engine/test_cuda.py, benchmarks/gpu_check.sh).
+backend's own layout (``one_layer``). Both go through the one ``update_scores_and_compact``, so
+equal results mean the two devices differ only where they should: how they read and write
+the cache. Not covered here: vLLM's own kernels (tests/engine/test_cuda.py, benchmarks/gpu_check.sh).
 """
-import os
+from one_layer import BLOCK, DEVICE, CPUCache, Layer, batch_plan, block_table  # isort: skip
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import os  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,30 +17,16 @@ import torch  # noqa: E402
 from h2o_vllm.config import Budget  # noqa: E402
 from h2o_vllm.worker import step as worker_step  # noqa: E402
 from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
-from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps  # noqa: E402
-from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan  # noqa: E402
+from h2o_vllm.worker.cuda.ops import TritonOps  # noqa: E402
+from h2o_vllm.worker.plan import kv_slot_mapping  # noqa: E402
 
 if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no GPU", allow_module_level=True)
-DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
-BLOCK = 16
-
-
-def _plan(num_computed, query_lens, prompt_lens, heavy=4, recent=4, interval=4):
-    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    budgets = [Budget(heavy, recent, interval)] * len(num_computed)
-    return make_step_plan(t(num_computed), t(query_lens), t(prompt_lens), budgets)
-
-
-def _block_table(num_rows, blocks_per_row, seed=0, device=DEVICE):
-    perm = torch.randperm(num_rows * blocks_per_row + 1, generator=torch.Generator().manual_seed(seed))
-    perm = perm[perm != 0][: num_rows * blocks_per_row]  # block 0 is never a row's
-    return perm.view(num_rows, blocks_per_row).to(torch.int32).to(device)
 
 
 def test_kv_slot_mapping_is_kv_space_and_keeps_padding():
-    plan = _plan([30, 5, 0], [1, 7, 3], [20, 12, 3])
-    table = _block_table(3, 4)
+    plan = batch_plan([30, 5, 0], [1, 7, 3], [20, 12, 3])
+    table = block_table(3, 4)
     slots = kv_slot_mapping(plan, table, int(plan.query_lens.sum()) + 5, BLOCK)
     assert slots.shape == (16,) and slots.device == table.device
     assert (slots[11:] == -1).all()
@@ -54,8 +40,8 @@ def test_kv_slot_mapping_is_kv_space_and_keeps_padding():
 
 def test_kv_space_metadata_rewrites_lengths_and_slots_keeps_positions():
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    plan = _plan([30, 5], [1, 7], [20, 12])
-    table = _block_table(3, 4)  # one padding row, as under CUDA-graph padding
+    plan = batch_plan([30, 5], [1, 7], [20, 12])
+    table = block_table(3, 4)  # one padding row, as under CUDA-graph padding
     num_tokens = 8
     positions = torch.tensor([30, 5, 6, 7, 8, 9, 10, 11], device=DEVICE)
     logical_seq_lens = torch.tensor([31, 12, 0], dtype=torch.int32, device=DEVICE)
@@ -84,71 +70,64 @@ def test_kv_space_metadata_rewrites_lengths_and_slots_keeps_positions():
 
 
 def test_only_prefill_rows_use_the_batch_as_packed():
-    plan = _plan([0, 0], [5, 3], [5, 3])
-    table = _block_table(2, 1)
+    plan = batch_plan([0, 0], [5, 3], [5, 3])
+    table = block_table(2, 1)
     step = worker_step.make_step(plan, table, kv_slot_mapping(plan, table, 8, BLOCK), BLOCK)
     assert step.decode_rows is None and step.prefill_tokens is None
     assert step.prefill_query_start_loc.tolist() == [0, 5, 8]
 
 
-class _CPUCache:
-    """A cache in the CPU backend's layout ([num_blocks, num_kv_heads, block_size, 2 * head],
-    K stored transposed) holding the same K and V as the kernels' layout."""
+def test_make_step_carries_the_weights_indexed_like_the_queries():
+    budgets = [Budget(4, 4, 4, decay=0.5), Budget(4, 4, 4, obs_window=2)]
+    plan = batch_plan([30, 0], [1, 5], [20, 5], budgets=budgets)
+    table = block_table(2, 4)
+    step = worker_step.make_step(plan, table, kv_slot_mapping(plan, table, 6, BLOCK), BLOCK)
+    assert step.query_weight.device == table.device and step.query_weight.dtype == torch.float32
+    assert step.query_weight[step.decode_tokens].tolist() == [1.0]            # decay^0
+    assert step.query_weight[step.prefill_tokens].tolist() == [0, 0, 0, 1, 1]  # window of 2
+    assert step.score_scale[step.decode_rows].tolist() == [0.5]
+    assert step.score_scale[step.prefill_rows].tolist() == [1.0]
+    paper = batch_plan([30, 0], [1, 5], [20, 5])
+    step = worker_step.make_step(paper, table, kv_slot_mapping(paper, table, 6, BLOCK), BLOCK)
+    assert step.query_weight is None and step.score_scale is None
 
-    def __init__(self, keys, values):
-        num_blocks, block_size, num_kv_heads, head_size = keys.shape
-        self.kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size)
-        self.views = CPUOps().cache_views(self.kv_cache)
-        self.views.keys.copy_(keys.cpu())
-        self.views.values.copy_(values.cpu())
+
+PAPER = Budget(4, 4, 4)
+# Rows A (prompt 20, at once) and B (prompt 13, in chunks of 8 and 5) of the cross-device
+# test: paper H2O, or one row weighted (decay, observation window, sinks) beside a paper row.
+BUDGETS = {"paper": (PAPER, PAPER),
+           "decay-sinks": (Budget(4, 4, 4, sinks=2, decay=0.9), PAPER),
+           "window": (PAPER, Budget(4, 4, 4, sinks=1, decay=0.8, obs_window=7))}
 
 
+@pytest.mark.parametrize("budgets", list(BUDGETS))
 @pytest.mark.parametrize("group", [1, 3])
-def test_one_layer_steps_agree_across_devices(group):
+def test_one_layer_steps_agree_across_devices(group, budgets):
     """A tiny layer over a whole schedule (chunked prefill beside a prompt, mixed prefill and
     decode steps, compactions at the prompt's end and every interval): write K/V at the KV
     slots, then update_scores_and_compact with the Triton kernels and with the CPU's torch
     ops; live K, V and scores must agree after every step, and the mass must be accounted."""
     torch.manual_seed(0)
     num_kv_heads, head_size, prompts = 2, 16, [20, 13]
-    scale = head_size ** -0.5
-    table = _block_table(2, 2, seed=1)
-    num_blocks = int(table.max()) + 1
-    shape = (num_blocks, BLOCK, num_kv_heads, head_size)
-    keys, values = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
-    scores = torch.rand(num_blocks, num_kv_heads, BLOCK, device=DEVICE)  # stale values
-    cpu = _CPUCache(keys, values)
-    cpu_scores = scores.clone().cpu()
-    triton_ops, cpu_ops = TritonOps(head_size), CPUOps()
+    layer = Layer(block_table(2, 2, seed=1), num_kv_heads, head_size)
     # (tokens already computed, tokens this step) per row: A's prompt at once, B's in chunks.
     schedule = [[(0, 20), (0, 8)], [(20, 1), (8, 5)]] + [[(21 + i, 1), (13 + i, 1)] for i in range(7)]
     compacted = 0
     for step_rows in schedule:
-        plan = _plan([c for c, _ in step_rows], [q for _, q in step_rows], prompts)
+        plan = batch_plan([c for c, _ in step_rows], [q for _, q in step_rows], prompts,
+                          budgets=BUDGETS[budgets])
+        assert plan.weighted == (budgets != "paper")
         num_tokens = int(plan.query_lens.sum())
         query = torch.randn(num_tokens + 3, num_kv_heads * group, head_size, device=DEVICE)  # padded
-        slots = kv_slot_mapping(plan, table, num_tokens + 3, BLOCK)
         new_k = torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE)
         new_v = torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE)
-        for k_cache, v_cache in ((keys, values), (cpu.views.keys, cpu.views.values)):  # K/V write
-            s = slots[:num_tokens].to(k_cache.device)
-            k_cache[s // BLOCK, s % BLOCK] = new_k.to(k_cache.device)
-            v_cache[s // BLOCK, s % BLOCK] = new_v.to(k_cache.device)
-        step = worker_step.make_step(plan, table, slots, BLOCK)
-        mass = worker_step.update_scores_and_compact(step, triton_ops, query, TritonCacheViews(keys, values),
-                                                     scores, scale)
-        cpu_table = table.cpu()
-        cpu_step = worker_step.make_step(plan, cpu_table, slots.cpu(), BLOCK)
-        cpu_step = worker_step.dataclasses.replace(cpu_step, device_index=cpu_ops.step_index(cpu_step, BLOCK))
-        cpu_mass = worker_step.update_scores_and_compact(cpu_step, cpu_ops, query.cpu(), cpu.views,
-                                                         cpu_scores, scale)
+        mass, cpu_mass = layer.step(plan, query, new_k, new_v)
         compacted += int(plan.due.sum())
         for row in range(2):
-            pos = torch.arange(int(plan.kv_lens_after[row]))
-            blk, off = cpu_table[row].long()[pos // BLOCK], pos % BLOCK
-            assert torch.equal(keys.cpu()[blk, off], cpu.views.keys[blk, off])
-            assert torch.equal(values.cpu()[blk, off], cpu.views.values[blk, off])
-            torch.testing.assert_close(scores.cpu()[blk, :, off], cpu_scores[blk, :, off],
+            blk, off = layer.live(row, int(plan.kv_lens_after[row]))
+            assert torch.equal(layer.keys.cpu()[blk, off], layer.cpu.views.keys[blk, off])
+            assert torch.equal(layer.values.cpu()[blk, off], layer.cpu.views.values[blk, off])
+            torch.testing.assert_close(*layer.live_scores(row, int(plan.kv_lens_after[row])),
                                        rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mass.cpu(), cpu_mass, rtol=1e-5, atol=1e-5)
         if plan.due.any():
@@ -161,12 +140,12 @@ def test_one_layer_steps_agree_across_devices(group):
 def test_compaction_keeps_recent_plus_top_heavy_per_head():
     """One due row, scores set by hand: each head keeps its own top-heavy tokens plus the
     recent window, in order, and the mass before/after is what was dropped."""
-    plan = _plan([11], [1], [4], heavy=2, recent=2, interval=8)  # 12 live -> 4
+    plan = batch_plan([11], [1], [4], heavy=2, recent=2, interval=8)  # 12 live -> 4
     assert plan.due.tolist() == [True]
-    table = _block_table(1, 1, device="cpu")
+    table = block_table(1, 1, device="cpu")
     keys = torch.arange(BLOCK * 2 * 4, dtype=torch.float32).view(1, BLOCK, 2, 4).repeat(int(table.max()) + 1, 1, 1, 1)
     values = keys.clone() + 0.5
-    cache = _CPUCache(keys, values)
+    cache = CPUCache(keys, values)
     scores = torch.zeros(keys.shape[0], 2, BLOCK)
     blk = int(table[0, 0])
     scores[blk, 0, :12] = torch.tensor([9, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 0.])
@@ -184,3 +163,63 @@ def test_compaction_keeps_recent_plus_top_heavy_per_head():
         assert torch.equal(cache.views.keys[blk, :4, head], keys[blk, positions, head])
         assert torch.equal(cache.views.values[blk, :4, head], values[blk, positions, head])
     assert mass.tolist() == [30.0, 30.0]  # everything with a score was kept
+
+
+def dense_step(old, keys, query, start, budget, prompt_len, group, scale):
+    """The spec's closed form for one row, in fp64, from the row's keys in logical order (no
+    compaction yet): queries at positions a..b (a = start) update every live token t as
+    s(t) = decay^(b-a+1) * s_old(t) + sum_i decay^(b-i) * w_i * p_i(t), new tokens from 0.
+
+    old: [a, Hkv]; keys: [b + 1, Hkv, D]; query: [b - a + 1, Hq, D]. Returns [b + 1, Hkv]."""
+    end = keys.shape[0] - 1
+    s = torch.cat([old, torch.zeros(end + 1 - start, keys.shape[1], dtype=torch.float64)])
+    s *= budget.decay ** (end - start + 1)
+    for i in range(start, end + 1):
+        w = budget.decay ** (end - i) * budget.query_weight(i, prompt_len)
+        for h in range(query.shape[1]):
+            logits = keys[:i + 1, h // group].double() @ query[i - start, h].double() * scale
+            s[:i + 1, h // group] += w * torch.softmax(logits, dim=0)
+    return s
+
+
+def test_weighted_scores_are_the_closed_form_and_paper_rows_unchanged():
+    """A prompt in chunks (then decode steps) of a weighted row (decay 0.9, a 6-token window
+    that starts inside chunk 3) beside a paper row: after every step both devices' scores
+    equal the closed form computed densely here, and the paper row's scores are bit for bit
+    those of the same schedule run as an all-paper (unweighted) batch."""
+    num_kv_heads, head_size, group, prompt_len = 2, 16, 2, 20
+    weighted = Budget(16, 16, 4, decay=0.9, obs_window=6)  # budgets past 23: no compaction
+    runs = {"mixed": (weighted, Budget(16, 16, 4)), "paper": (Budget(16, 16, 4),) * 2}
+    layers = {name: Layer(block_table(2, 2, seed=3), num_kv_heads, head_size) for name in runs}
+    # Row 0's one-token chunk at position 7 runs as a decode row and weighs 0 (before the window).
+    schedule = [[(0, 7), (0, 10)], [(7, 1), (10, 10)], [(8, 7), (20, 1)], [(15, 5), (21, 1)],
+                [(20, 1), (22, 1)], [(21, 1), (23, 1)]]
+    gen = torch.Generator().manual_seed(4)
+    keys = [torch.zeros(0, num_kv_heads, head_size) for _ in range(2)]
+    dense = [torch.zeros(0, num_kv_heads, dtype=torch.float64) for _ in range(2)]
+    for step_rows in schedule:
+        computed, q_lens = [c for c, _ in step_rows], [q for _, q in step_rows]
+        num_tokens = sum(q_lens)
+        query = torch.randn(num_tokens, num_kv_heads * group, head_size, generator=gen)
+        new_k = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+        new_v = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+        plans = {name: batch_plan(computed, q_lens, [prompt_len] * 2, budgets=list(budgets))
+                 for name, budgets in runs.items()}
+        assert plans["mixed"].weighted and not plans["paper"].weighted
+        for name, layer in layers.items():
+            assert not plans[name].due.any()
+            layer.step(plans[name], query.to(DEVICE), new_k.to(DEVICE), new_v.to(DEVICE))
+        start = 0
+        for row, (budget, q_len) in enumerate(zip(runs["mixed"], q_lens)):
+            keys[row] = torch.cat([keys[row], new_k[start:start + q_len]])
+            dense[row] = dense_step(dense[row], keys[row], query[start:start + q_len],
+                                    computed[row], budget, prompt_len, group, layers["mixed"].scale)
+            start += q_len
+            kv_len = computed[row] + q_len
+            for got in layers["mixed"].live_scores(row, kv_len):
+                torch.testing.assert_close(got, dense[row].float(), rtol=1e-5, atol=1e-6)
+        if computed[0] == 0:  # chunk 1 lies before the window: its queries add nothing
+            assert all(not got.any() for got in layers["mixed"].live_scores(0, q_lens[0]))
+        for mixed, paper in zip(layers["mixed"].live_scores(1, computed[1] + q_lens[1]),
+                                layers["paper"].live_scores(1, computed[1] + q_lens[1])):
+            assert torch.equal(mixed, paper)

@@ -1,0 +1,71 @@
+"""worker.cpu.scores (the CPU path's torch score accumulation, on the CPU backend's cache
+layout) against the kernels' torch twins, unweighted and weighted, decode and prefill.
+
+The block table is as vLLM leaves it: a short row's entries past its length are stale and
+name other rows' live blocks. Adding probability 0 through them is harmless; decaying through
+them would decay another row's scores, which these tests would see.
+"""
+import pytest
+import torch
+
+from h2o_vllm.kernels import twins
+from h2o_vllm.worker.cpu import scores as cpu_scores
+from h2o_vllm.worker.cpu.layout import cache_views
+
+BLOCK, NUM_KV_HEADS, HEAD, GROUP, SCALE = 16, 2, 16, 2, 0.25
+KV_LENS = [5, 40, 17]
+# Each row's live blocks first, then stale entries: row 0's name rows 1 and 2's live blocks.
+TABLE = torch.tensor([[3, 6, 1], [6, 2, 7], [1, 4, 2]], dtype=torch.int32)
+
+
+def _setup(q_lens, weighted, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kv_cache = torch.randn(8, NUM_KV_HEADS, BLOCK, 2 * HEAD, generator=gen)
+    views = cache_views(kv_cache)
+    scores = torch.rand(8, NUM_KV_HEADS, BLOCK, generator=gen)
+    query = torch.randn(sum(q_lens), NUM_KV_HEADS * GROUP, HEAD, generator=gen)
+    weights = {}
+    if weighted:
+        weight = torch.rand(sum(q_lens), generator=gen)
+        weight[0] = 0.0
+        weights = dict(query_weight=weight, score_scale=torch.rand(len(q_lens), generator=gen) + 0.1)
+    return views, scores, query, weights
+
+
+def _live(scores, row):
+    pos = torch.arange(KV_LENS[row])
+    return scores[TABLE[row].long()[pos // BLOCK], :, pos % BLOCK]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_decode_scores_match_the_twin(weighted):
+    views, scores, query, weights = _setup([1] * 3, weighted)
+    expected = scores.clone()
+    twins.accumulate_decode_scores(query, views.keys.contiguous(), TABLE,
+                                   torch.tensor(KV_LENS, dtype=torch.int32), expected, SCALE,
+                                   **weights)
+    cpu_scores.accumulate_decode_scores(query, views.key_blocks, scores, TABLE,
+                                        torch.tensor(KV_LENS), SCALE, **weights)
+    for row in range(3):
+        torch.testing.assert_close(_live(scores, row), _live(expected, row), rtol=1e-5, atol=1e-6)
+    assert torch.equal(scores[[0, 5]], expected[[0, 5]])  # blocks no row holds: untouched
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_prefill_scores_match_the_twin(weighted):
+    q_lens = [5, 12, 17]  # a whole prompt, a later chunk (28 earlier keys), a whole prompt
+    views, scores, query, weights = _setup(q_lens, weighted)
+    expected = scores.clone()
+    starts = torch.tensor([0] + q_lens).cumsum(0)
+    twins.accumulate_prefill_scores(query, views.keys.contiguous(), TABLE,
+                                    starts.to(torch.int32), torch.tensor(KV_LENS, dtype=torch.int32),
+                                    expected, SCALE, **weights)
+    for row, (start, q_len) in enumerate(zip(starts.tolist(), q_lens)):
+        row_weights = {} if not weighted else dict(
+            query_weight=weights["query_weight"][start:start + q_len],
+            score_scale=weights["score_scale"][row])
+        cpu_scores.accumulate_prefill_scores(query[start:start + q_len], views.key_blocks, scores,
+                                             TABLE[row], KV_LENS[row], SCALE, **row_weights)
+    for row in range(3):
+        torch.testing.assert_close(_live(scores, row), _live(expected, row), rtol=1e-5, atol=1e-6)
+    assert torch.equal(scores[[0, 5]], expected[[0, 5]])
