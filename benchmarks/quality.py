@@ -33,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
     p.add_argument("--budgets", default="0.5,0.2,0.1", help="total budgets, fractions of the prompt")
+    p.add_argument("--policies", default="h2o,local,decay,sinks,window,window+sinks",
+                   help="policies beside the full cache: h2o (paper), local, and the score modes of "
+                        "h2o_vllm.tools.bench.MODES")
     p.add_argument("--texts", default="gpl3,devil",
                    help="gpl3, jargon, devil or paths; missing ones are skipped with a warning")
     p.add_argument("--tasks", default="ppl,gen,passkey")
@@ -55,10 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def policies(budgets: list[float]) -> list[tuple[str, str, float | None]]:
-    """(label, policy, budget): the full cache, then H2O and Local at every budget."""
+def policies(budgets: list[float], names=("h2o", "local")) -> list[tuple[str, str, float | None]]:
+    """(label, policy, budget): the full cache, then each policy at every budget."""
     out = [("full", "full", None)]
-    for policy in ("h2o", "local"):
+    for policy in names:
         out += [(f"{policy}-{round(b * 100):g}%", policy, b) for b in budgets]
     return out
 
@@ -221,7 +224,7 @@ def main(argv=None) -> dict:
         import torch
         torch.set_num_threads(int(args.omp_threads))
     budgets = [float(b) for b in args.budgets.split(",")]
-    labels = policies(budgets)
+    labels = policies(budgets, args.policies.split(","))
     texts = available_texts(args.texts)
     if not texts:
         raise SystemExit("no text available; see benchmarks/README.md")
@@ -284,6 +287,7 @@ def markdown_table(result: dict) -> str:
              "|---|" + "---|" * (len(texts) + 3)]
     for label, entry in result["policies"].items():
         name = "full cache" if label == "full" else label.replace("h2o-", "H2O ").replace("local-", "Local ")
+        name = name.replace("-", " ")
         cells = []
         for t in texts:
             ppl = entry.get("ppl", {}).get(t)
@@ -315,16 +319,17 @@ def plot(result: dict, path: Path) -> None:
     texts = result["meta"]["texts"]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
     for ax, (key, title) in zip(axes, metrics):
-        for policy, color in (("h2o", "C0"), ("local", "C1")):
+        names = list(dict.fromkeys(e["policy"] for e in pols.values() if e["policy"] != "full"))
+        for policy, color in zip(names, (f"C{i}" for i in range(10))):
             rows = [next(e for e in pols.values() if e["policy"] == policy and e["budget"] == b) for b in budgets]
+            name = {"h2o": "H2O", "local": "Local"}.get(policy, policy)
             if key == "ppl":
                 for text, style in zip(texts, ("-", "--", ":")):
                     ys = [r.get("ppl", {}).get(text, {}).get("ppl") for r in rows]
                     if None not in ys:
-                        ax.plot(budgets, ys, style, color=color, marker="o", label=f"{policy.upper() if policy == 'h2o' else 'Local'} {text}")
+                        ax.plot(budgets, ys, style, color=color, marker="o", label=f"{name} {text}")
             elif all(key in r for r in rows):
-                ax.plot(budgets, [r[key] for r in rows], color=color, marker="o",
-                        label="H2O" if policy == "h2o" else "Local")
+                ax.plot(budgets, [r[key] for r in rows], color=color, marker="o", label=name)
         full = pols["full"]
         if key == "ppl":
             for text, style in zip(texts, ("-", "--", ":")):

@@ -11,6 +11,18 @@ BUDGETS = {
     "local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1},
 }
 
+#: The score modes past the paper (docs/score-modes.md), each on a budget like the above.
+MODES = {
+    "decay-0.9-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1, "decay": 0.9},
+    "sinks-4-local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1,
+                                      "sink_tokens": 4},
+    "window-8-ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "obs_window": 8},
+    "floor-24-ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1,
+                                         "min_tokens": 24},
+    "all-modes-tokens-6+6-interval1": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 1,
+                                       "decay": 0.9, "sink_tokens": 2, "obs_window": 8},
+}
+
 #: Larger than every sequence in the tests: H2O must then be token-identical to stock vLLM.
 LARGER_THAN_EVERY_SEQUENCE = {"heavy_tokens": 4096, "recent_tokens": 4096}
 
@@ -19,6 +31,8 @@ def extra_args(budget: dict) -> dict:
     return {f"h2o_{key}": value for key, value in budget.items()}
 
 
-def oracle_config(budget: dict, block_size: int) -> H2OConfig:
-    """The config the oracle must run: vLLM's default interval is one block."""
-    return H2OConfig.from_dict({"interval": block_size, **budget})
+def oracle(model, budget: dict, block_size: int):
+    """The dense oracle for one budget of the matrix, given the engine's KV block size (the
+    default interval is one block there as in vLLM)."""
+    from h2o_vllm.oracle import H2OOracle
+    return H2OOracle(model, H2OConfig.from_dict(budget), block_size=block_size)

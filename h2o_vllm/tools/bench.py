@@ -72,6 +72,16 @@ def run_job_file(job_file: str, run) -> None:
     Path(job["result"]).write_text(json.dumps(run(job)))
 
 
+#: The score modes past the paper as the benchmarks run them (docs/score-modes.md): each is the
+#: paper's H2O budget (half heavy, half recent) plus these keys.
+MODES: dict[str, dict[str, Any]] = {
+    "decay": {"decay": 0.95},
+    "sinks": {"sink_tokens": 4},
+    "window": {"obs_window": 32},
+    "window+sinks": {"obs_window": 32, "sink_tokens": 4},
+}
+
+
 def h2o_config(policy: str, budget: float | None, max_model_len: int | None = None,
                interval: int = 32) -> dict[str, Any] | None:
     """additional_config["h2o"] for (policy, total budget as a fraction of the prompt).
@@ -80,7 +90,8 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
     evicted: heavy = max_model_len - interval, so the first compaction would come at
     max_model_len tokens, which no sequence processes (the overhead of score tracking alone;
     a larger budget is refused by h2o_vllm.frontend.conflicts). "h2o": half heavy, half recent (the
-    paper's 0.1 + 0.1 = 20%). "local": recent only, the paper's baseline.
+    paper's 0.1 + 0.1 = 20%). "local": recent only, the paper's baseline. A name of ``MODES``:
+    the "h2o" budget with that mode's keys.
     """
     if policy == "stock":
         return None
@@ -92,7 +103,9 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
         return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
     if policy == "local":
         return {"heavy_ratio": 0.0, "recent_ratio": budget}
-    raise ValueError(f"unknown policy {policy!r}: stock, full, h2o, local")
+    if policy in MODES:
+        return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2, **MODES[policy]}
+    raise ValueError(f"unknown policy {policy!r}: stock, full, h2o, local, {', '.join(MODES)}")
 
 
 def read_text(name_or_path: str) -> str:

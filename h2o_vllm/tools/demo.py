@@ -1,7 +1,10 @@
 """`make demo`: real vLLM on SmolLM2-135M-Instruct, full KV cache vs H2O at a 20% budget.
 
-Prints the greedy answers side by side and the KV blocks each run held, as the engine's own
-scheduler counted them. Runs the engine core in-process so its block pool can be read.
+The prompts are a few hundred tokens long, so that 20% of one is a real cache (a 5-token
+prompt keeps 1 token). H2O runs the recommended score mode (``RECOMMENDED``, from the README's
+quality table; ``--policy h2o`` for the paper's). Prints the greedy answers side by side and
+the KV blocks each run held, as the engine's own scheduler counted them. Runs the engine core
+in-process so its block pool can be read.
 """
 from __future__ import annotations
 
@@ -11,11 +14,13 @@ import textwrap
 
 # Plain completion prompts (SmolLM2's chat template alone is ~30 tokens of system prompt).
 PROMPTS = [
-    "The capital of France is",
-    "The three primary colours are",
-    "A haiku about the sea:\n",
     "{gpl}\n\nIn short, this licence says that",
+    "The secret pass key is 482913. Remember it, you will be asked for it.\n\n{gpl}\n\n"
+    "What is the secret pass key? The secret pass key is",
+    "{gpl}\n\nThe three freedoms this licence protects are",
 ]
+#: The policy shown beside the full cache (h2o_vllm.tools.bench: "h2o" or a score mode).
+RECOMMENDED = "window+sinks"
 
 
 def _gpl_excerpt(words: int = 350) -> str:
@@ -51,8 +56,9 @@ def _run(model_dir: str, prompts: list[str], max_tokens: int, block_size: int, h
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="h2o-vllm demo", description=__doc__)
-    parser.add_argument("--heavy-ratio", type=float, default=0.1)
-    parser.add_argument("--recent-ratio", type=float, default=0.1)
+    parser.add_argument("--budget", type=float, default=0.2, help="total budget, fraction of the prompt")
+    parser.add_argument("--policy", default=RECOMMENDED, help="h2o (the paper's) or a score mode of "
+                        "h2o_vllm.tools.bench.MODES")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
@@ -60,17 +66,18 @@ def main(argv: list[str] | None = None) -> None:
     # In-process engine core: the demo reads the scheduler's block pool directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+    from h2o_vllm.tools.bench import h2o_config
     from h2o_vllm.tools.models import smollm2_dir
     model = str(smollm2_dir())
     prompts = [p.format(gpl=_gpl_excerpt()) for p in PROMPTS]
-    h2o = {"heavy_ratio": args.heavy_ratio, "recent_ratio": args.recent_ratio}
+    h2o = h2o_config(args.policy, args.budget)
     full = _run(model, prompts, args.max_tokens, args.block_size, None)
     evicted = _run(model, prompts, args.max_tokens, args.block_size, h2o)
 
-    budget = int(round(100 * (args.heavy_ratio + args.recent_ratio)))
+    budget = int(round(100 * args.budget))
     width = 60
     print(f"\nSmolLM2-135M-Instruct, greedy, {args.max_tokens} new tokens, block size {args.block_size}")
-    print(f"{'full KV cache':<{width}} | H2O {budget}% (heavy {args.heavy_ratio}, recent {args.recent_ratio})")
+    print(f"{'full KV cache':<{width}} | H2O {budget}%, {args.policy}: {h2o}")
     for prompt, a, b in zip(prompts, full[0], evicted[0]):
         print("=" * (2 * width + 3))
         print("PROMPT:", textwrap.shorten(prompt, 2 * width))

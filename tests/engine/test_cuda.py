@@ -14,10 +14,9 @@ import time
 import pytest
 import torch
 
-from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, extra_args, oracle_config
+from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
 from engines import (check_block_lists, generate_ids, greedy, model_runner_of, random_prompts,
                      run_steps, scheduler_of, vllm_engine)
-from h2o_vllm.oracle import H2OOracle
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 ON_GPU = torch.cuda.is_available()
@@ -26,7 +25,7 @@ ENGINE_H2O = {}  # the paper's default engine-wide; the matrix arrives per reque
 if ON_GPU:
     MAX_TOKENS = 40
     PROMPT_LENGTHS = (1, 15, 16, 17, 33, 100, 300)
-    BUDGET_NAMES = list(BUDGETS)
+    BUDGET_NAMES = list(BUDGETS) + list(MODES)
     # A fraction of the GPU: H2O's fp32 score buffers sit outside the KV memory vLLM budgets.
     DEVICE = dict(gpu_memory_utilization=0.3, num_gpu_blocks_override=512)
     ENGINES = {"piecewise-graphs": dict(enforce_eager=False),
@@ -39,7 +38,9 @@ else:
     # while the short ones decode.
     PROMPT_LENGTHS = (1, 17, 40)
     # Absolute and ratio, Local, interval 1 and one block.
-    BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1"]
+    # Plus every score mode at once: the weighted Triton score kernels and sink selection.
+    BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1",
+                    "all-modes-tokens-6+6-interval1"]
     DEVICE = dict(env={SWITCH: "1"})
     ENGINES = {"unchunked": {},
                # in this process, so the blocks and the mixed prefill + decode steps are checked
@@ -86,7 +87,7 @@ def h2o_outputs(request, tiny_llama_dir):
     in-process engine is driven step by step with the block lists checked after every step."""
     kwargs = ENGINES[request.param]
     names = BUDGET_NAMES + ["larger", "engine-default"]
-    budgets = {**BUDGETS, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
+    budgets = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
     params = [greedy(MAX_TOKENS, extra_args=extra_args(budgets[name]) or None)
               for name in names for _ in PROMPTS]
     with _engine(tiny_llama_dir, additional_config={"h2o": ENGINE_H2O}, **kwargs) as llm:
@@ -149,8 +150,8 @@ def test_cuda_budget_larger_than_every_sequence_is_stock_vllm(request, h2o_outpu
 
 @pytest.mark.parametrize("budget", BUDGET_NAMES + ["engine-default"])
 def test_cuda_h2o_matches_dense_oracle(h2o_outputs, hf_model, budget, stock_triton_outputs):
-    config = oracle_config({**ENGINE_H2O, **BUDGETS.get(budget, {})}, BLOCK)
-    expected = H2OOracle(hf_model, config).generate(PROMPTS, MAX_TOKENS)
+    config = {**ENGINE_H2O, **{**BUDGETS, **MODES}.get(budget, {})}
+    expected = oracle(hf_model, config, BLOCK).generate(PROMPTS, MAX_TOKENS)
     for length, got, want in zip(PROMPT_LENGTHS, h2o_outputs[budget], expected):
         assert got == want, f"prompt of {length} tokens diverges from the oracle"
     assert h2o_outputs[budget] != stock_triton_outputs  # the control: eviction changed something

@@ -7,9 +7,8 @@ a budget larger than every sequence.
 import pytest
 import torch
 
-from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, extra_args, oracle_config
+from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
 from engines import generate_ids, greedy, random_prompts, vllm_engine
-from h2o_vllm.oracle import H2OOracle
 
 MAX_TOKENS = 40
 # Shorter than the budget, at and around block boundaries, and several blocks long.
@@ -41,8 +40,8 @@ def h2o_outputs(request, tiny_llama_dir):
     """{budget name: outputs} from one H2O engine; the engine-wide config is the paper's
     default and every budget of the matrix arrives per request."""
     kwargs = ENGINES[request.param]
-    names = list(BUDGETS) + ["larger", "engine-default"]
-    budgets = {**BUDGETS, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
+    names = list(BUDGETS) + list(MODES) + ["larger", "engine-default"]
+    budgets = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
     params = [greedy(MAX_TOKENS, extra_args=extra_args(budgets[name]) or None)
               for name in names for _ in PROMPTS]
     with vllm_engine(tiny_llama_dir, additional_config={"h2o": {}}, **kwargs) as llm:
@@ -61,11 +60,11 @@ def test_budget_larger_than_every_sequence_is_stock_vllm(h2o_outputs, stock_outp
     assert outputs["larger"] == stock_outputs
 
 
-@pytest.mark.parametrize("budget", list(BUDGETS) + ["engine-default"])
+@pytest.mark.parametrize("budget", list(BUDGETS) + list(MODES) + ["engine-default"])
 def test_h2o_matches_dense_oracle(h2o_outputs, hf_model, budget, stock_outputs):
     block_size, outputs = h2o_outputs
-    config = oracle_config(BUDGETS.get(budget, {}), block_size)
-    expected = H2OOracle(hf_model, config).generate(PROMPTS, MAX_TOKENS)
+    config = {**BUDGETS, **MODES}.get(budget, {})
+    expected = oracle(hf_model, config, block_size).generate(PROMPTS, MAX_TOKENS)
     for length, got, want in zip(PROMPT_LENGTHS, outputs[budget], expected):
         assert got == want, f"prompt of {length} tokens diverges from the oracle"
     # The control: eviction really changed something, so this test could have failed.

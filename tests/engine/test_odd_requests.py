@@ -6,11 +6,10 @@ Greedy outputs are compared with the dense oracle wherever exactness applies.
 import pytest
 import torch
 
-from budgets import extra_args, oracle_config
+from budgets import extra_args, oracle
 from engines import greedy, random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.oracle import H2OOracle
 
 BLOCK = 32
 ENGINE_H2O = {"heavy_ratio": 0.1, "recent_ratio": 0.1}
@@ -30,7 +29,7 @@ def hf_model(tiny_llama_dir):
 
 
 def _oracle(hf_model, prompts, max_tokens, budget=None):
-    return H2OOracle(hf_model, oracle_config(budget or ENGINE_H2O, BLOCK)).generate(prompts, max_tokens)
+    return oracle(hf_model, budget or ENGINE_H2O, BLOCK).generate(prompts, max_tokens)
 
 
 def _free(llm) -> int:

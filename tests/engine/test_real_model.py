@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from budgets import extra_args, oracle_config
+from budgets import extra_args, oracle
 from engines import generate_ids, greedy, vllm_engine
 from h2o_vllm.oracle import H2OOracle
 
@@ -29,7 +29,7 @@ def oracle_outputs(smollm2_dir, prompts):
     (the oracle is several times slower once an engine has shared the process)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    outputs = {name: H2OOracle(model, oracle_config(budget, BLOCK)).generate(prompts, MAX_TOKENS)
+    outputs = {name: oracle(model, budget, BLOCK).generate(prompts, MAX_TOKENS)
                for name, budget in BUDGETS.items()}
     outputs["full"] = H2OOracle(model, None).generate(prompts, MAX_TOKENS)
     return outputs

@@ -10,9 +10,8 @@ head (tests/unit/worker/test_tp_split.py: a head split gives the same keep-sets 
 """
 import pytest
 
-from budgets import extra_args, oracle_config
+from budgets import extra_args, oracle
 from engines import random_prompts, scheduler_of, vllm_engine
-from h2o_vllm.oracle import H2OOracle
 
 BLOCK = 16
 BUDGETS = [{"heavy_ratio": 0.1, "recent_ratio": 0.1},
@@ -71,7 +70,7 @@ def test_tp2_ranks_evict_their_own_heads_with_identical_counts_and_match_the_ora
     assert compared and len(outputs) == len(requests)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
     for b, budget in enumerate(BUDGETS):
-        expected = H2OOracle(hf_model_tp, oracle_config(budget, BLOCK)).generate(PROMPTS, MAX_TOKENS)
+        expected = oracle(hf_model_tp, budget, BLOCK).generate(PROMPTS, MAX_TOKENS)
         got = [outputs[f"{b}-{p}"] for p in range(len(PROMPTS))]
         assert got == expected, f"TP=2 diverges from the oracle (= TP=1, test_exactness) for {budget}"
 
