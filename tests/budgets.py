@@ -19,8 +19,11 @@ MODES = {
     "window-8-ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "obs_window": 8},
     "floor-24-ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1,
                                          "min_tokens": 24},
+    # decay 0.85, not 0.9: with 0.9 the oracle's last logits for the 160-token prompt of
+    # test_exactness tie within 2.9e-6 (tokens 447 / 237), which fp32 attention in another
+    # order may flip; with 0.85 the smallest top-2 gap over the test's prompts is 3.2e-3.
     "all-modes-tokens-6+6-interval1": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 1,
-                                       "decay": 0.9, "sink_tokens": 2, "obs_window": 8},
+                                       "decay": 0.85, "sink_tokens": 2, "obs_window": 8},
 }
 
 #: Larger than every sequence in the tests: H2O must then be token-identical to stock vLLM.
