@@ -4,9 +4,16 @@ One module per op: ``decode_scores`` (``accumulate_decode_scores``), ``prefill_s
 (``prefill_lse``, ``accumulate_prefill_scores``) and ``compact`` (``compact_rows``); ``tiles``
 holds what the score kernels share. Each op comes in three: ``<op>_kernel`` (jit), the ``<op>``
 launcher (importable from here), and a plain-torch twin of the same name in
-``h2o_vllm.kernels.twins``. Launchers load lazily, so the twins (torch only) imports without
+``h2o_vllm.kernels.twins``. Launchers load lazily, so the twins (torch only) import without
 Triton; the launchers' shared argument checks live here. Set ``TRITON_INTERPRET=1`` before the
 first import of a kernel module to run the kernels on CPU.
+
+The score kernels (``decode_scores``, ``prefill_scores``): every (row, KV head, KV position)
+of ``scores`` is written by exactly one program, so no atomics and the result is deterministic; this relies on rows not sharing blocks (prefix caching is off
+while H2O is on). Probabilities are recomputed from Q and K: the attention kernel does not
+return them. Math is fp32 whatever the cache dtype: Q and K are upcast on load (see
+``dot_precision``); softmax uses exp2 with log2(e) folded into the scale. Layouts: see
+``h2o_vllm.kernels.tiles``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Triton kernel that adds a decode step's attention probabilities into the H2O score buffer
 (worker process, CUDA path): ``accumulate_decode_scores``, one query per row.
 
-Every (row, KV head, KV position) of ``scores`` is written by exactly one program, so no atomics
-and the result is deterministic; this relies on rows not sharing blocks (prefix caching is off
-while H2O is on). Probabilities are recomputed from Q and K: the attention kernel does not
-return them. Math is fp32 whatever the cache dtype: Q and K are upcast on load (see
-``dot_precision``); softmax uses exp2 with log2(e) folded into the scale. Layouts: see
-``h2o_vllm.kernels.tiles``.
+What every score kernel guarantees (one writer per score, fp32 math, layouts): see
+``h2o_vllm.kernels``.
 """
 from __future__ import annotations
 
