@@ -38,12 +38,13 @@ def test_quality_benchmark_runs(tiny_llama_dir, tmp_path):
     out = tmp_path / "quality"
     _load("quality").main([
         "--model", str(tiny_llama_dir), "--texts", "gpl3", "--budgets", "0.5,0.2",
-        "--ppl-prompt-len", "40", "--ppl-continuation-len", "8", "--gen-prompts", "2",
+        "--policies", "h2o,local,window+sinks", "--ppl-prompt-len", "40", "--ppl-continuation-len", "8", "--gen-prompts", "2",
         "--gen-prompt-len", "40", "--gen-len", "8", "--passkey-samples", "2", "--passkey-filler", "40",
         "--out", str(out)])
     saved = json.loads((out / "quality.json").read_text())
     assert (out / "quality.png").stat().st_size > 0
-    assert set(saved["policies"]) == {"full", "h2o-50%", "h2o-20%", "local-50%", "local-20%"}
+    assert set(saved["policies"]) == {"full", "h2o-50%", "h2o-20%", "local-50%", "local-20%",
+                                      "window+sinks-50%", "window+sinks-20%"}
     full = saved["policies"]["full"]
     assert full["token_agreement"] == 1.0 and full["ppl"]["gpl3"]["ppl_ratio_to_full"] == 1.0
     for entry in saved["policies"].values():
