@@ -431,8 +431,19 @@ def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
 
 def test_pure_modules_import_no_vllm():
     # The pure modules, and the oracle: the independent side of every engine test.
-    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.oracle; "
+    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.budgets, h2o_vllm.oracle; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_oracle_shares_no_code_with_what_it_checks():
+    """The oracle is the independent side: it may use the config (and its Budget), never the
+    policy, the worker or the kernels that the engine runs."""
+    code = ("import sys; import h2o_vllm.oracle; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['h2o_vllm', 'policy'], "
+            "['h2o_vllm', 'worker'], ['h2o_vllm', 'kernels'], ['h2o_vllm', 'scheduler'])); "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
