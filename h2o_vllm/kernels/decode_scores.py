@@ -12,7 +12,7 @@ import triton.language as tl
 
 from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_tile, check_weights,
                               dot_precision)
-from h2o_vllm.kernels.tiles import LOG2E, load_key_tile
+from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step
 
 
 @triton.jit
@@ -45,9 +45,7 @@ def accumulate_decode_scores_kernel(
                              stride_kb, stride_ks, stride_kh, block_size)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-        m_i = m_new
+        m_i, l_i = online_softmax_step(m_i, l_i, s)
     # Pass 2: exact probabilities, summed over the group, added at the row's slots.
     # l_i >= 1 whenever kv_len > 0 (the max term is exp2(0)); the floor only spares padding rows.
     inv_l = tl.where(g_mask, 1.0 / tl.maximum(l_i, 1.0), 0.0)

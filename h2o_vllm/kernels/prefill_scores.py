@@ -12,7 +12,7 @@ import triton.language as tl
 
 from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_tile, check_weights,
                               dot_precision)
-from h2o_vllm.kernels.tiles import LOG2E, load_key_tile
+from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step
 
 
 @triton.jit
@@ -56,9 +56,7 @@ def prefill_lse_kernel(
         # Key 0 is visible to every query (padded ones too), so m_i is finite after tile 0.
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-        m_i = m_new
+        m_i, l_i = online_softmax_step(m_i, l_i, s)
     # Natural-log LSE of the unscaled-by-log2e logits: lse = ln(sum_k exp(scale * q.k)).
     tl.store(lse + (q_start + tok).to(tl.int64) * stride_lt + q_head * stride_lh,
              (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_mask)

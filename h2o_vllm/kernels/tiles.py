@@ -1,5 +1,5 @@
-"""Shared pieces of the score kernels (worker process, CUDA path): the paged key-tile load and
-log2(e).
+"""Shared pieces of the score kernels (worker process, CUDA path): the paged key-tile load, the
+online-softmax step, and log2(e).
 
 Cache layout as vLLM's GPU backends (FlashAttention / Triton attention): key_cache [num_blocks,
 block_size, num_kv_heads, head_size]; scores [num_blocks, num_kv_heads, block_size] fp32,
@@ -28,3 +28,12 @@ def load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
                 + kv_head * stride_kh + offs_d[None, :],
                 mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     return blk, k
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, s):
+    """One key tile of a running (max, sum of exp2) per query row: s [rows, keys] in log2 units,
+    masked keys at -inf. Returns the updated (m_i, l_i)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+    return m_new, l_i
