@@ -7,30 +7,20 @@ Runs in the process that builds the engine config (process 0). ``settle_engine_a
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from h2o_vllm.config import H2OConfig, config_from_additional
 from h2o_vllm.frontend import conflicts, cuda_config
 
-logger = logging.getLogger("h2o_vllm")
-
 
 def settle_engine_args(args: Any) -> H2OConfig | None:
-    """Validate ``args.additional_config["h2o"]``, refuse conflicting flags, turn prefix caching
-    off (vLLM's default is on) and pick the CUDA settings. Returns the H2O config (None: off)."""
+    """Validate ``args.additional_config["h2o"]``, refuse conflicting flags and pick the CUDA
+    settings. Returns the H2O config (None: off). Prefix caching stays as vLLM sets it (on by
+    default): H2O keeps hits exact and never rewrites a cached block (docs/prefix-caching.md)."""
     h2o = config_from_additional(args.additional_config)
     if h2o is None:
         return None
     conflicts.check_engine_args(args, h2o)
-    if args.enable_prefix_caching:
-        raise ValueError(
-            "--enable-prefix-caching cannot be combined with H2O KV eviction: compaction "
-            "rewrites cached blocks. Drop --enable-prefix-caching (H2O turns it off).")
-    if args.enable_prefix_caching is None:
-        logger.warning("h2o: prefix caching is turned off because H2O KV eviction is on "
-                       "(compaction rewrites blocks that prefix caching would share)")
-        args.enable_prefix_caching = False
     cuda_config.adjust_engine_args(args)  # CUDA path: backend; CUDA only: runner, async, graphs
     return h2o
 

@@ -2,6 +2,12 @@
 
 Runs in the engine-core process. It never hears from the workers: it evaluates the same
 ``kv_len_after`` they do, on the same inputs, at the step boundary after their compaction.
+
+With prefix caching on, no block the prefix cache indexes or another request holds is ever
+rewritten: a hit is copied into blocks of the request's own (vLLM's copy-on-write pairs), the
+request's first compaction writes what it keeps into fresh blocks (``fresh_blocks``) and lets
+its prompt blocks go back to the cache, and only prompt blocks written before that compaction
+are ever cached (docs/prefix-caching.md).
 """
 from __future__ import annotations
 
@@ -13,13 +19,14 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.policy import kv_len_after, peak_kv_len
+from h2o_vllm.scheduler.records import Record, ScoreRecords
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
 logger = logging.getLogger("h2o_vllm")
 
 
 class H2OManager(FullAttentionManager):
-    # Compaction rewrites block contents: no block may ever be found by its token hash.
+    # Hits are whole blocks: a partial-block hit would need its scores split mid-block.
     supports_fine_grained_hash_lookup = False
 
     def __init__(self, kv_cache_spec: H2OAttentionSpec, **kwargs) -> None:
@@ -27,11 +34,21 @@ class H2OManager(FullAttentionManager):
         # Filled as requests are added (scheduler.step.add_request); a request the scheduler
         # never announced runs with the engine's budget.
         self.budgets = RequestBudgets(kv_cache_spec.h2o, kv_cache_spec.block_size)
+        self.prompt_lens: dict[str, int] = {}
         # Logical tokens no longer in KV space, per running request:
         # kv-space length = logical length - num_evicted.
         self.num_evicted: dict[str, int] = {}
         self.num_freed_blocks = 0
         self._admitted: dict[str, tuple[int, int, int]] = {}  # (peak, prefill, interval) in blocks
+        # Prefix caching (None when it is off): score records, and this step's orders.
+        self.records = ScoreRecords(self.block_pool.num_gpu_blocks) if self.enable_caching else None
+        self.hit_records: dict[str, Record | None] = {}  # request -> record of its cut hit
+        self.longest_match: dict[str, int] = {}          # request -> blocks matched before the cut
+        self.pending_records: dict[str, list[Record]] = {}
+        self.fresh: dict[str, list] = {}                 # request -> its first compaction's blocks
+        self.step_score_inits: list[tuple[int, int]] = []  # (copy block, record slot or -1)
+        self.step_written: list[Record] = []   # records this step writes
+        self.step_fresh: set[str] = set()      # requests whose fresh blocks came this step
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -42,6 +59,12 @@ class H2OManager(FullAttentionManager):
         self.num_evicted[request_id] = processed_computed_tokens - kv_len
         blocks = self.req_to_blocks.get(request_id)
         num_keep = cdiv(kv_len, self.block_size)
+        fresh = self.fresh.pop(request_id, None) if kv_len < processed_computed_tokens else None
+        if fresh is not None:  # the first compaction wrote into these: the row becomes them
+            tail, blocks[:] = blocks[::-1], fresh
+            self.block_pool.free_blocks(tail)
+            self.num_freed_blocks += len(tail) - len(fresh)
+            return
         if not blocks or len(blocks) <= num_keep:
             return
         tail = blocks[num_keep:]
@@ -90,27 +113,71 @@ class H2OManager(FullAttentionManager):
     def _kv_tokens(self, request_id: str, num_tokens: int) -> int:
         return num_tokens - self.num_evicted.get(request_id, 0)
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
-        return super().get_num_blocks_to_allocate(request_id, self._kv_tokens(request_id, num_tokens),
-                                                  *args, **kwargs)
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                   *args, **kwargs) -> int:
+        blocks = super().get_num_blocks_to_allocate(
+            request_id, self._kv_tokens(request_id, num_tokens), new_computed_blocks, *args, **kwargs)
+        if self.records is not None:
+            # A hit is copied into blocks of the request's own; a first compaction writes into
+            # fresh blocks.
+            blocks += len(new_computed_blocks) + self._fresh_count(request_id, num_tokens)
+        return blocks
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        return super().allocate_new_blocks(request_id, self._kv_tokens(request_id, num_tokens),
-                                           self._kv_tokens(request_id, num_tokens_main_model))
+        new = super().allocate_new_blocks(request_id, self._kv_tokens(request_id, num_tokens),
+                                          self._kv_tokens(request_id, num_tokens_main_model))
+        if self.records is not None and request_id not in self.fresh:
+            count = self._fresh_count(request_id, num_tokens_main_model)
+            if count:
+                self.fresh[request_id] = self.block_pool.get_new_blocks(count)
+                self.step_fresh.add(request_id)
+        return new
+
+    def _fresh_count(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the first compaction needs when it comes in the step that ends at
+        ``num_tokens`` logical tokens (0 when it does not)."""
+        if self.num_evicted.get(request_id, 0) or request_id in self.fresh:
+            return 0
+        prompt_len = self.prompt_lens.get(request_id)
+        if prompt_len is None:
+            return 0
+        budget = self.budgets.resolve(request_id, prompt_len)
+        kv_len = kv_len_after(num_tokens, prompt_len, budget)
+        return cdiv(kv_len, self.block_size) if kv_len < num_tokens else 0
 
     def pop_blocks_for_free(self, request_id: str):
         self.num_evicted.pop(request_id, None)
         self._admitted.pop(request_id, None)
-        return super().pop_blocks_for_free(request_id)
+        self.forget_prefix_state(request_id)
+        fresh = self.fresh.pop(request_id, [])
+        return super().pop_blocks_for_free(request_id) + fresh
 
-    @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids: list[int],
-                               *args, **kwargs):
-        return tuple([] for _ in kv_cache_group_ids), 0
+    def forget_prefix_state(self, request_id: str) -> None:
+        """A request that stops (finishes, aborts, is preempted) drops the records it has not
+        written yet; a preempted one plans again when it is admitted again."""
+        self.hit_records.pop(request_id, None)
+        self.longest_match.pop(request_id, None)
+        for record in self.pending_records.pop(request_id, ()):
+            self.records.drop(record)
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
-        return
+        # Only blocks of the prompt, and only before the first compaction: past it the row is
+        # in KV space, where a block no longer holds the tokens its hash names.
+        if self.num_evicted.get(request.request_id, 0):
+            return
+        return super().cache_blocks(request, min(num_tokens, request.num_prompt_tokens),
+                                    *args, **kwargs)
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence, *args,
                                   **kwargs) -> None:
-        assert not new_computed_blocks, "H2O requests never get prefix-cache hits"
+        """vLLM adds the hit's blocks to the request; each is then redirected to a block of the
+        request's own, copied by vLLM before the step runs (its copy-on-write pairs), with its
+        scores from the hit's record: the request scores and compacts only blocks it owns."""
+        super().add_local_computed_blocks(request_id, new_computed_blocks, *args, **kwargs)
+        blocks = self.req_to_blocks[request_id]
+        hit = list(blocks)
+        copies = self.block_pool.get_new_blocks(len(hit))
+        record = self.hit_records.get(request_id)
+        for j, (source, copy) in enumerate(zip(hit, copies)):
+            self._apply_cow(request_id, j, source, copy)
+            self.step_score_inits.append((copy.block_id, record.slots[j] if record else -1))

@@ -18,11 +18,6 @@ class H2OAttentionSpec(FullAttentionSpec):
     # The default only exists because FullAttentionSpec.merge calls cls() with base fields.
     h2o: H2OConfig = H2OConfig()
 
-    @property
-    def prefix_cacheable(self) -> bool:
-        # Compaction rewrites block contents, so a block no longer matches its token hash.
-        return False
-
     @classmethod
     def from_full(cls, spec: FullAttentionSpec, h2o: H2OConfig) -> "H2OAttentionSpec":
         return cls(**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, h2o=h2o)

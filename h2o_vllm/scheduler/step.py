@@ -18,12 +18,14 @@ def add_request(managers: Sequence[H2OManager], request) -> None:
     extra_args = params.extra_args if params is not None else None
     for manager in managers:
         manager.budgets.resolve(request.request_id, request.num_prompt_tokens, extra_args)
+        manager.prompt_lens[request.request_id] = request.num_prompt_tokens
 
 
 def finish_request(managers: Sequence[H2OManager], request_id: str) -> None:
     """A finished or aborted request: its budget goes (a preempted one keeps it)."""
     for manager in managers:
         manager.budgets.forget(request_id)
+        manager.prompt_lens.pop(request_id, None)
 
 
 def free_compacted_tails(kv_cache_manager, running: Iterable) -> None:

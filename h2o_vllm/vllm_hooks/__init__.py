@@ -36,13 +36,25 @@ and version-guard helpers every hook module uses.
   ``scheduler.step.admission_watermark`` for that one call. Why: H2O sequences have a known, small
   peak; vLLM admits greedily and preempts (recomputes) when running sequences then cannot grow.
   Upstream: a per-spec admission reserve hook in the KV-cache manager.
+- Prefix caching (docs/prefix-caching.md): ``install_scheduler_hook`` also wraps
+  ``KVCacheManager.get_computed_blocks``, cutting a hit back to the longest boundary H2O can
+  resume exactly (``scheduler.prefix.cut_hit``), and the ``schedule`` / ``update_from_output``
+  hooks above carry the step's ``PrefixOrders`` on ``SchedulerOutput`` (attribute
+  ``h2o_prefix``) and commit the score records a step wrote. ``install_runner_hook`` also
+  wraps ``GPUModelRunner._update_states`` to take those orders and to give the rows that
+  compacted into fresh blocks those blocks before vLLM appends the next ones.
+  ``H2OManager.add_local_computed_blocks`` calls vLLM's private ``_apply_cow`` so that vLLM
+  copies each hit block into one of the request's own before the step.
+  Why: vLLM has no hook for a KV-cache manager to veto part of a hit, to send per-step data
+  to the workers, or to remap a request's blocks. Upstream: a manager-level hit filter and a
+  plugin payload on SchedulerOutput. Remove when vLLM has them.
 - ``vllm_hooks.cpu_attention.use_readable_isa`` (called by ``H2OCPUMetadataBuilder``) sets
   the CPU builder's ``isa`` and calls its private ``_set_isa_to_layers``.
   Why: H2O reads K back in the ``vec``/``vec16`` layouts only; vLLM may pick AMX.
   Remove when vLLM exposes a readable K view of every CPU layout.
 - ``install_engine_args_hook`` wraps ``EngineArgs.create_engine_config``
   (vllm/engine/arg_utils.py), in the process that builds the engine config.
-  Why: the H2O config must be validated, prefix caching (on by default) turned off, and
+  Why: the H2O config must be validated and
   conflicting settings refused before any model weight loads (``frontend.settings``:
   ``settle_engine_args`` before vLLM builds its config, ``check_engine_config`` after).
   Not an upstream candidate: it is plugin policy.

@@ -1,4 +1,4 @@
-"""Hooks on vLLM's engine arguments: H2O flags, validation, conflicts, prefix caching.
+"""Hooks on vLLM's engine arguments: H2O flags, validation, conflicts.
 
 Runs in the process that parses flags and builds the engine config (process 0).
 """
@@ -10,7 +10,7 @@ from h2o_vllm.vllm_hooks.seam import _MARK, _require, _wrap
 
 
 def install_engine_args_hook() -> None:
-    """Validate ``additional_config["h2o"]`` and settle prefix caching before the model loads."""
+    """Validate ``additional_config["h2o"]`` and refuse conflicts before the model loads."""
     _wrap("vllm.engine.arg_utils:EngineArgs.create_engine_config", _create_engine_config_wrapper)
 
 

@@ -16,6 +16,20 @@ def install_runner_hook() -> None:
           _build_attention_metadata_wrapper)
     _wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec",
           _get_kv_cache_spec_wrapper)
+    _wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", _update_states_wrapper)
+
+
+def _update_states_wrapper(original):
+    """Keep the step's prefix-cache orders for the plan; first give the rows that compacted
+    into fresh blocks last step those blocks (not earlier: on the CPU the runner's block table
+    is the kernels' tensor, which that step was still reading)."""
+    def _update_states(self, scheduler_output):
+        if _h2o_of(self) is not None:
+            from h2o_vllm.prefix import ATTRIBUTE
+            _rewrite_rows(self)
+            self._h2o_orders = getattr(scheduler_output, ATTRIBUTE, None)
+        return original(self, scheduler_output)
+    return _update_states
 
 
 def _get_kv_cache_spec_wrapper(original):
@@ -73,7 +87,8 @@ def _plan_batch(runner, num_reqs: int, scheduled: dict[str, int]):
         num_computed=torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs]).to(torch.int64),
         prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
         query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
-        extra_args_of=extra_args_of, live_request_ids=requests.keys())
+        extra_args_of=extra_args_of, live_request_ids=requests.keys(),
+        orders=runner.__dict__.get("_h2o_orders"))
 
 
 def _truncate_rows(runner, plan) -> None:
@@ -83,9 +98,27 @@ def _truncate_rows(runner, plan) -> None:
     batch = runner.input_batch
     for group_id, block_size in _h2o_groups(runner):
         table = batch.block_table[group_id]
-        for row, keep in rows_to_truncate(plan, block_size):
+        for row, keep, fresh in rows_to_truncate(plan, block_size):
             if table.num_blocks_per_row[row] > keep:
                 table.num_blocks_per_row[row] = keep
                 del runner.requests[batch.req_ids[row]].block_ids[group_id][keep:]
+            if fresh is not None:
+                runner.__dict__.setdefault("_h2o_rewrites", {})[batch.req_ids[row]] = (group_id, fresh)
             logger.debug("h2o: request %s compacted from %d to %d KV tokens", batch.req_ids[row],
                          int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
+
+
+def _rewrite_rows(runner) -> None:
+    """Rows that compacted into fresh blocks in the last step become those blocks, as
+    ``H2OManager.remove_skipped_blocks`` made them on the scheduler."""
+    rewrites = runner.__dict__.pop("_h2o_rewrites", None)
+    if not rewrites:
+        return
+    batch = runner.input_batch
+    for req_id, (group_id, fresh) in rewrites.items():
+        state = runner.requests.get(req_id)
+        if state is not None:
+            state.block_ids[group_id][:] = fresh
+        row = batch.req_id_to_index.get(req_id)
+        if row is not None:
+            batch.block_table[group_id].add_row(list(fresh), row)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from h2o_vllm.scheduler import step
+from h2o_vllm.prefix import ATTRIBUTE
+from h2o_vllm.scheduler import prefix, step
 from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap
 
 
@@ -19,6 +20,8 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _update_from_output_wrapper)
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _allocate_slots_wrapper)
+    _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
+          _get_computed_blocks_wrapper)
 
 
 def _h2o_managers(kv_cache_manager) -> list:
@@ -49,6 +52,8 @@ def _free_blocks_wrapper(original):
 
 def _update_from_output_wrapper(original):
     def update_from_output(self, *args, **kwargs):
+        if _h2o_of(self) is not None:  # before vLLM frees the requests that finished
+            prefix.commit_records(_h2o_managers(self.kv_cache_manager))
         outputs = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
             step.free_compacted_tails(self.kv_cache_manager, self.running)
@@ -73,13 +78,31 @@ def _allocate_slots_wrapper(original):
 
 
 def _schedule_wrapper(original):
-    """Metrics once the step's blocks are allocated."""
+    """The step's prefix-cache orders ride on its output; metrics once its blocks are allocated."""
     def schedule(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
-            step.record_metrics(_h2o_managers(self.kv_cache_manager), self.running)
+            managers = _h2o_managers(self.kv_cache_manager)
+            setattr(output, ATTRIBUTE, prefix.prefix_orders(managers, output, self.requests))
+            step.record_metrics(managers, self.running)
         return output
     return schedule
+
+
+def _get_computed_blocks_wrapper(original):
+    """A prefix-cache hit, cut back to what H2O can resume from exactly."""
+    def get_computed_blocks(self, request):
+        blocks, num_tokens, boundary = original(self, request)
+        managers = _h2o_managers(self)
+        if not managers or not self.enable_caching:
+            return blocks, num_tokens, boundary
+        cut = min(prefix.cut_hit(m, request, num_tokens) for m in managers)
+        if cut == num_tokens:
+            return blocks, num_tokens, boundary
+        return (self.create_kv_cache_blocks(tuple(g[:cut // m.block_size] for g, m in
+                                                  zip(blocks.blocks, self.coordinator.single_type_managers))),
+                cut, 0)
+    return get_computed_blocks
 
 
 def install_metrics_hooks() -> None:

@@ -63,6 +63,7 @@ class H2OImplMixin:
         # scores: [num_blocks, num_kv_heads, block_size] fp32, KV-space; allocated on first use
         # because the cache size is only known once vLLM has profiled memory.
         self.scores: torch.Tensor | None = None
+        self.records: torch.Tensor | None = None  # prefix caching: score records, same layout
         self._mass = DeferredMass()
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -80,8 +81,11 @@ class H2OImplMixin:
         step = getattr(attn_metadata, "h2o", None)
         if step is not None and owns_cache:
             views = self.ops.cache_views(kv_cache)
-            mass = update_scores_and_compact(step, self.ops, query, views, self._scores_like(views),
-                                             self.scale)
+            scores = self._scores_like(views)
+            if step.prefix is not None and self.records is None:
+                self.records = torch.zeros_like(scores)
+            mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
+                                             self.records)
             if step.due:
                 self._mass.push(mass)
         return output
@@ -89,6 +93,7 @@ class H2OImplMixin:
     def _scores_like(self, views) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, _ = views.keys.shape
         if self.scores is None or self.scores.shape[0] != num_blocks:
+            self.records = None
             self.scores = torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.float32,
                                       device=views.keys.device)
         return self.scores

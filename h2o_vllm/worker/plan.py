@@ -8,6 +8,7 @@ rank builds the same plan: it depends on the batch, never on heads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from h2o_vllm import metrics
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget
 from h2o_vllm.policy import live_kv_len
+from h2o_vllm.worker.prefix import prefix_plan
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class StepPlan:
     decay: torch.Tensor | None = None          # [num_reqs] fp32
     query_weights: torch.Tensor | None = None  # [num_tokens] fp32, one per scheduled token
     score_scale: torch.Tensor | None = None    # [num_reqs] fp32
+    # Prefix caching: this step's orders by row (worker.prefix.PrefixPlan), None without any.
+    prefix: Any = None
 
     @property
     def weighted(self) -> bool:
@@ -91,14 +95,17 @@ def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
 def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: torch.Tensor,
                prompt_lens: torch.Tensor, query_lens: torch.Tensor,
                extra_args_of: Callable[[str], Mapping[str, Any] | None],
-               live_request_ids: Iterable[str]) -> StepPlan:
+               live_request_ids: Iterable[str], orders: Any = None) -> StepPlan:
     """The plan of a batch whose row i is request ``req_ids[i]``; each request's budget is
-    resolved the first time it is seen (``extra_args_of`` gives its overrides)."""
+    resolved the first time it is seen (``extra_args_of`` gives its overrides). ``orders``:
+    the step's ``PrefixOrders`` from the scheduler (prefix caching), or None."""
     rows = [budgets.resolve(r, int(prompt_lens[i]), extra_args_of(r)) for i, r in enumerate(req_ids)]
     live = list(live_request_ids)
     if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
         budgets.retain(live)
-    return make_step_plan(num_computed, query_lens, prompt_lens, rows)
+    plan = make_step_plan(num_computed, query_lens, prompt_lens, rows)
+    prefix = prefix_plan(orders, req_ids)
+    return plan if prefix is None else dataclasses.replace(plan, prefix=prefix)
 
 
 def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
@@ -116,10 +123,12 @@ def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
     return slots
 
 
-def rows_to_truncate(plan: StepPlan, block_size: int) -> list[tuple[int, int]]:
-    """(row, blocks kept) of each compacted row: the block-table entries past its new KV length
-    go, as the scheduler's ``H2OManager.remove_skipped_blocks`` frees them at the next schedule."""
-    return [(row, -(-int(plan.kv_lens_after[row]) // block_size))
+def rows_to_truncate(plan: StepPlan, block_size: int) -> list[tuple[int, int, list[int] | None]]:
+    """(row, blocks kept, its fresh blocks or None) of each compacted row: the block-table
+    entries past its new KV length go, as the scheduler's ``H2OManager.remove_skipped_blocks``
+    frees them at the next schedule; a row that compacted into fresh blocks becomes them."""
+    fresh = plan.prefix.fresh if plan.prefix is not None else {}
+    return [(row, -(-int(plan.kv_lens_after[row]) // block_size), fresh.get(row))
             for row in plan.due.nonzero().flatten().tolist()]
 
 

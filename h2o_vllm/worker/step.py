@@ -20,7 +20,9 @@ import torch
 
 from h2o_vllm import metrics
 from h2o_vllm.policy import select_keep
+from h2o_vllm.worker import prefix as prefix_cache
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
+from h2o_vllm.worker.prefix import PrefixStep
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class H2OStep:
     # (decode_tokens, prefill_tokens), score_scale by row (decode_rows, prefill_rows).
     query_weight: torch.Tensor | None = None   # [num_tokens] fp32
     score_scale: torch.Tensor | None = None    # [num_rows] fp32
+    # Prefix caching (worker.prefix): this step's hit scores, record phases, fresh blocks; and
+    # the table due rows compact through (block_table unless a row compacts into fresh blocks).
+    prefix: PrefixStep | None = None
+    compact_table: torch.Tensor | None = None
 
 
 class DeviceOps(Protocol):
@@ -95,14 +101,30 @@ def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps):
     cm = dataclasses.replace(cm, seq_lens=seq_lens, max_seq_len=int(plan.kv_seq_lens.max()),
                              slot_mapping=slots)
     step = make_step(plan, cm.block_table_tensor, slots, block_size)
-    return cm, dataclasses.replace(step, device_index=ops.step_index(step, block_size))
+    step = dataclasses.replace(step, device_index=ops.step_index(step, block_size))
+    if plan.prefix is not None:
+        step = dataclasses.replace(step, prefix=_prefix_step(plan, step, slots, block_size, ops))
+    return cm, step
+
+
+def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size: int,
+                 ops: DeviceOps) -> PrefixStep:
+    """The step's prefix-cache work; its record phases are H2OSteps of their own."""
+    phases, snapshots = [], []
+    for sub_plan, snaps in prefix_cache.phase_plans(plan):
+        sub = make_step(sub_plan, step.block_table, slots, block_size)
+        phases.append(dataclasses.replace(sub, device_index=ops.step_index(sub, block_size)))
+        snapshots.append(snaps)
+    return prefix_cache.make_prefix_step(plan, step.block_table, phases, snapshots, block_size)
 
 
 def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
               block_size: int) -> H2OStep:
-    """block_table: [>= num_rows, max_blocks] int32 on the device; kv_slots from kv_slot_mapping."""
+    """block_table: [>= num_rows, max_blocks] int32 on the device; kv_slots from kv_slot_mapping.
+    A plan may cover only part of each row's queries (``worker.prefix.phase_plans``)."""
     device = block_table.device
     query_lens, kv_seq_lens = plan.query_lens, plan.kv_seq_lens
+    table = prefix_cache.compact_table(plan, block_table)
     new = kv_slots[:int(query_lens.sum())]
     starts = plan.query_starts
     decode = (query_lens == 1).nonzero().flatten()
@@ -117,7 +139,8 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
         prefill_rows = _to(prefill, device)
         prefill_qsl = _to(torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q, 0)]),
                           device, torch.int32)
-        if decode.numel():  # with only prefill rows the batch's tokens are already packed
+        packed = torch.equal(starts[prefill], torch.cumsum(q, 0) - q)
+        if decode.numel() or not packed:  # else the batch's tokens are the prefill rows', in order
             prefill_tokens = _to(torch.cat([torch.arange(int(s), int(s) + int(n))
                                             for s, n in zip(starts[prefill], q)]), device)
     return H2OStep(
@@ -126,7 +149,7 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
         decode_rows=decode_rows, decode_tokens=decode_tokens, prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens, prefill_query_start_loc=prefill_qsl,
         max_prefill_query_len=max_q, max_prefill_kv_len=max_kv,
-        due=_due_groups(plan, block_table, block_size),
+        due=_due_groups(plan, table, block_size), compact_table=table,
         query_weight=_fp32_to(plan.query_weights, device), score_scale=_fp32_to(plan.score_scale, device))
 
 
@@ -152,7 +175,8 @@ def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> t
 
 
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
-                              scores: torch.Tensor, scale: float) -> torch.Tensor:
+                              scores: torch.Tensor, scale: float,
+                              records: torch.Tensor | None = None) -> torch.Tensor:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (decayed and
     weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -160,10 +184,21 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
     compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
     head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
-    before and after compaction (for metrics, without a device sync).
+    before and after compaction (for metrics, without a device sync). With prefix caching,
+    ``records`` holds the layer's score records and ``step.prefix`` says what to do with them.
     """
     scores[step.new_blocks, :, step.new_offsets] = 0.0
-    ops.accumulate(step, query, views, scores, scale)
+    prefix = step.prefix
+    if prefix is None:
+        ops.accumulate(step, query, views, scores, scale)
+    else:
+        prefix_cache.init_hit_scores(prefix, scores, records)
+        for phase, snap in zip(prefix.phases, prefix.snapshots):
+            ops.accumulate(phase, query, views, scores, scale)
+            prefix_cache.snapshot(snap, scores, records)
+        if not prefix.phases:
+            ops.accumulate(step, query, views, scores, scale)
+        prefix_cache.relocate(prefix, views, scores)
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
@@ -171,7 +206,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
                            group.sinks)                                         # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
-        ops.compact(views, scores, step.block_table, group.rows, keep)
+        ops.compact(views, scores, step.compact_table, group.rows, keep)
     return mass
 
 

@@ -31,7 +31,6 @@ def _refused(model_dir, **kwargs) -> str:
     ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
      "--kv-transfer-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
-    ({"enable_prefix_caching": True}, "--enable-prefix-caching"),
     ({"additional_config": {"h2o": {"heavy_tokens": 600, "recent_tokens": 600}}}, "max_model_len=1024"),
 ])
 def test_conflicting_settings_refused_before_loading(tiny_llama_dir, kwargs, words):
@@ -50,14 +49,15 @@ def test_sliding_window_model_refused_before_loading(tiny_llama_dir, tmp_path):
     assert "sliding_window=64" in message and "--disable-sliding-window" in message
 
 
-def test_default_prefix_caching_turned_off_with_a_warning(tiny_llama_dir, caplog):
-    """Only vLLM's default: H2O turns it off and says so (the config alone, no engine)."""
+def test_prefix_caching_stays_on_by_default_and_when_asked(tiny_llama_dir, caplog):
+    """vLLM's default (on) and an explicit --enable-prefix-caching both stay with H2O on, as
+    with H2O off, and nothing warns (the config alone, no engine)."""
     from vllm.engine.arg_utils import EngineArgs
     with caplog.at_level(logging.WARNING, logger="h2o_vllm"):
-        config = EngineArgs(model=str(tiny_llama_dir), max_model_len=1024,
-                            additional_config=H2O).create_engine_config()
-    assert config.cache_config.enable_prefix_caching is False
-    assert any("prefix caching is turned off" in r.getMessage() for r in caplog.records)
-    # H2O off: vLLM's default stays.
+        for given in (None, True):
+            config = EngineArgs(model=str(tiny_llama_dir), max_model_len=1024, additional_config=H2O,
+                                enable_prefix_caching=given).create_engine_config()
+            assert config.cache_config.enable_prefix_caching is True
+    assert not any("prefix caching" in r.getMessage() for r in caplog.records)
     stock = EngineArgs(model=str(tiny_llama_dir), max_model_len=1024).create_engine_config()
     assert stock.cache_config.enable_prefix_caching is True

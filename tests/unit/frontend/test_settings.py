@@ -13,18 +13,16 @@ def _args(h2o=None, **kwargs):
     return EngineArgs(model="unused", additional_config={} if h2o is None else {"h2o": h2o}, **kwargs)
 
 
-def test_settle_engine_args_turns_default_prefix_caching_off_loudly(caplog):
-    args = _args({"heavy_ratio": 0.1})
+@pytest.mark.parametrize("given", [None, True, False])
+def test_settle_engine_args_leaves_prefix_caching_as_given(given, caplog):
+    """H2O keeps prefix caching exact: vLLM's default (None: on) and an explicit choice stay,
+    without a warning."""
+    args = _args({"heavy_ratio": 0.1}, enable_prefix_caching=given)
     with caplog.at_level("WARNING", logger="h2o_vllm"):
         config = settings.settle_engine_args(args)
     assert config is not None and config.heavy_ratio == 0.1
-    assert args.enable_prefix_caching is False
-    assert "prefix caching is turned off" in caplog.text
-
-
-def test_settle_engine_args_refuses_explicit_prefix_caching():
-    with pytest.raises(ValueError, match="--enable-prefix-caching"):
-        settings.settle_engine_args(_args({}, enable_prefix_caching=True))
+    assert args.enable_prefix_caching is given
+    assert "prefix caching" not in caplog.text
 
 
 def test_settle_engine_args_leaves_stock_engines_alone():

@@ -1,5 +1,5 @@
 """H2OManager on a real vLLM BlockPool: blocks counted in KV space, compacted tails freed,
-per-request budgets, nothing leaked, admission headroom, no prefix cache.
+per-request budgets, nothing leaked, admission headroom (prefix caching: test_prefix_manager.py).
 
 Requests are vLLM's real ``vllm.v1.request.Request``. The manager is called as
 ``KVCacheManager.allocate_slots`` calls it (free skipped blocks, count, allocate; logical token
@@ -164,25 +164,6 @@ def test_manager_admission_headroom_keeps_running_claims():
     assert allocating + m.admission_headroom(big, 100, MAX_LEN) >= reserve + own_peak
     # A chunk of it (32 of 100 tokens): the rest of the prompt plus the running claims.
     assert m.admission_headroom(_request("e", 100, 50), 32, MAX_LEN) == (cdiv(100, BLOCK) - 2) + reserve
-
-
-def test_manager_prefix_caching_off():
-    init_none_hash(sha256)
-    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BLOCK)
-    hasher = get_request_block_hasher(BLOCK, sha256)
-    request = _request("r", 64, block_hasher=hasher)
-    stock = FullAttentionManager(_full(), block_pool=pool, enable_caching=True, kv_cache_group_id=0,
-                                 scheduler_block_size=BLOCK)
-    stock.allocate_new_blocks("r", 64, 64)
-    stock.cache_blocks(request, 64, replay_boundaries=[])
-    h2o = _manager(caching=True, pool=pool)
-    args = (request.block_hashes, 64, [0], pool, h2o.kv_cache_spec, False, BLOCK)
-    assert FullAttentionManager.find_longest_cache_hit(*args)[1] == 64  # control: a 4-block hit
-    assert H2OManager.find_longest_cache_hit(*args) == (([],), 0)
-    h2o.allocate_new_blocks("o", 64, 64)
-    h2o.cache_blocks(_request("o", 64, block_hasher=hasher), 64, replay_boundaries=[])
-    assert all(b.block_hash is None for b in h2o.req_to_blocks["o"])
-    assert _full().prefix_cacheable and not h2o.kv_cache_spec.prefix_cacheable
 
 
 @settings(max_examples=60, deadline=None)

@@ -65,6 +65,8 @@ SIGNATURES = {
         "ubatch_slices", "logits_indices", "max_num_sampled_tokens", "use_spec_decode",
         "for_cudagraph_capture", "num_scheduled_tokens", "slot_mappings"],
     f"{_RUNNER}.get_kv_cache_spec": ["self"],
+    f"{_RUNNER}._update_states": ["self", "scheduler_output"],
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks": ["self", "request"],
     f"{_SCHEDULER}.add_request": ["self", "request"],
     f"{_SCHEDULER}._free_blocks": ["self", "request"],
     f"{_SCHEDULER}.schedule": ["self", "throttle_prefills"],
@@ -112,9 +114,11 @@ OVERRIDDEN = {
     f"{_STM}:SingleTypeKVCacheManager.add_local_computed_blocks": [
         "self", "request_id", "new_computed_blocks", "num_local_computed_tokens",
         "num_external_computed_tokens"],
-    f"{_STM}:FullAttentionManager.find_longest_cache_hit": [
-        "block_hashes", "max_length", "kv_cache_group_ids", "block_pool", "kv_cache_spec",
-        "drop_eagle_block", "alignment_tokens", "dcp_world_size", "pcp_world_size"],
+    f"{_STM}:SingleTypeKVCacheManager._apply_cow":
+        ["self", "request_id", "block_idx", "source_block", "cow_block"],
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.create_kv_cache_blocks": ["self", "blocks"],
+    "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ["self", "num_blocks"],
+    "vllm.v1.core.block_pool:BlockPool.free_blocks": ["self", "ordered_blocks"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.remove_skipped_blocks":
         ["self", "request_id", "processed_computed_tokens", "num_prompt_tokens"],
     "vllm.v1.kv_cache_interface:FullAttentionSpec.merge": ["specs"],
@@ -247,6 +251,23 @@ def test_instance_attributes_the_hooks_touch_are_assigned(path, attrs):
     cls = _resolve(path)[1]
     assigned = set().union(*(_assigned(c) for c in cls.__mro__ if c.__module__.startswith("vllm")))
     assert attrs <= assigned, f"{path} no longer assigns {sorted(attrs - assigned)}"
+
+
+def test_copy_on_write_pairs_still_reach_the_worker_before_the_forward():
+    """H2O copies a prefix-cache hit with vLLM's own copy-on-write pairs (``H2OManager
+    .add_local_computed_blocks`` -> ``_apply_cow``): the scheduler must still drain them into
+    ``SchedulerOutput.kv_cache_block_copies`` and the runner copy every layer's blocks in
+    ``_update_states``, before the step runs. H2O's own orders ride as an attribute on the
+    output, so it must stay a plain dataclass (no ``__slots__``)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    schedule = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
+    assert "take_kv_cache_block_copies" in schedule and "kv_cache_block_copies=" in schedule
+    update = inspect.getsource(inspect.unwrap(GPUModelRunner._update_states))
+    assert "copy_kv_cache_blocks_inplace" in update
+    assert dataclasses.is_dataclass(SchedulerOutput) and not hasattr(SchedulerOutput, "__slots__")
+    assert "take_pending_cow_copies" in inspect.getsource(
+        _resolve("vllm.v1.core.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies")[1])
 
 
 def test_allocate_slots_still_applies_the_watermark_to_admissions_only():

@@ -48,8 +48,8 @@ def test_plan_batch_resolves_each_request_once_and_prunes():
 def test_rows_to_truncate_keeps_the_blocks_of_the_new_length():
     plan = step_plan.make_step_plan(t([20, 5]), t([1, 1]), t([20, 5]), [Budget(2, 2, 1)] * 2)
     assert plan.due.tolist() == [True, True]
-    assert step_plan.rows_to_truncate(plan, 4) == [(0, 1), (1, 1)]
-    assert step_plan.rows_to_truncate(plan, 3) == [(0, 2), (1, 2)]
+    assert step_plan.rows_to_truncate(plan, 4) == [(0, 1, None), (1, 1, None)]
+    assert step_plan.rows_to_truncate(plan, 3) == [(0, 2, None), (1, 2, None)]
 
 
 def test_current_plan_is_set_only_inside_the_context():

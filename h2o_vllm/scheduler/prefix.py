@@ -1,0 +1,115 @@
+"""H2O with vLLM's prefix cache, scheduler side: exact hits, the records they need, the orders.
+
+Runs in the engine-core process, called from the hooks in ``vllm_hooks.scheduler`` at vLLM's
+step boundaries; the state lives on each ``H2OManager`` (``records``, ``hit_records``, ...).
+docs/prefix-caching.md has the design; ``scheduler/records.py`` why records exist.
+
+- ``cut_hit``: a hit is cut back to the longest boundary H2O can resume from exactly (one
+  with a written record; for a request with an observation window, any boundary the window
+  does not reach, whose scores are all zero).
+- ``prefix_orders``: at the end of ``schedule``, plan the records each admitted request will
+  write and collect this step's orders for the workers (``h2o_vllm.prefix.PrefixOrders``).
+- ``commit_records``: once the step has run, the records it wrote may serve hits.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from h2o_vllm.prefix import PrefixOrders
+from h2o_vllm.scheduler.manager import H2OManager
+
+
+def record_key(request, num_blocks: int, decay: float, block_size: int, hash_block_size: int):
+    """What a record of the first ``num_blocks`` blocks of ``request`` depends on: the chained
+    hash of its last block names the whole prefix; the decay shapes every score."""
+    return request.block_hashes[num_blocks * (block_size // hash_block_size) - 1], decay
+
+
+def cut_hit(manager: H2OManager, request, num_hit_tokens: int) -> int:
+    """The tokens of vLLM's hit (``num_hit_tokens``, whole blocks) that H2O can use exactly;
+    remembers the record the hit resumes from and how long the match was."""
+    rid, block_size = request.request_id, manager.block_size
+    matched = num_hit_tokens // block_size
+    manager.longest_match[rid] = matched
+    manager.hit_records[rid] = None
+    budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
+    if budget.obs_window is not None:
+        # Queries before prompt_len - obs_window add nothing: such a prefix scores all zeros.
+        first_scoring = max(0, request.num_prompt_tokens - budget.obs_window)
+        return min(matched, first_scoring // block_size) * block_size
+    for num_blocks in range(matched, 0, -1):
+        record = manager.records.ready(_key(manager, request, num_blocks, budget.decay))
+        if record is not None:
+            manager.hit_records[rid] = record
+            return num_blocks * block_size
+    return 0
+
+
+def _key(manager: H2OManager, request, num_blocks: int, decay: float):
+    return record_key(request, num_blocks, decay, manager.block_size,
+                      manager.block_pool.hash_block_size)
+
+
+def plan_records(manager: H2OManager, request, start: int) -> None:
+    """Reserve the records an admitted request (resuming at ``start`` tokens, its hit) writes:
+    its longest match, if the hit was cut back from it, so the next request with this prefix
+    hits it exactly; and its prompt's last block boundary before the final token, which a
+    repeat of the prompt or a next chat turn hits."""
+    rid, block_size = request.request_id, manager.block_size
+    budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
+    planned = manager.pending_records.setdefault(rid, [])
+    if budget.obs_window is not None:  # its scores of a prefix would be zeros, of use to no one
+        return
+    last = (request.num_prompt_tokens - 1) // block_size
+    for num_blocks in sorted({manager.longest_match.get(rid, 0), last}):
+        if num_blocks * block_size <= start:
+            continue
+        key = _key(manager, request, num_blocks, budget.decay)
+        if manager.records.has(key):
+            continue
+        record = manager.records.reserve(key, num_blocks, rid)
+        if record is not None:
+            planned.append(record)
+
+
+def prefix_orders(managers: Sequence[H2OManager], scheduler_output,
+                  requests: Mapping[str, object]) -> PrefixOrders:
+    """This step's orders for the workers, drained from the managers (one per H2O group;
+    the orders name block ids, which every group's manager hands out from one pool)."""
+    orders = PrefixOrders()
+    scheduled = scheduler_output.num_scheduled_tokens
+    admitted = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+    admitted |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
+    for manager in managers:
+        if manager.records is None:
+            continue
+        orders.score_inits.extend(manager.step_score_inits)
+        manager.step_score_inits = []
+        for rid, num_tokens in scheduled.items():
+            request = requests[rid]
+            end = request.num_computed_tokens  # vLLM has already counted this step's tokens
+            start = end - num_tokens
+            if rid in admitted:
+                plan_records(manager, request, start)
+            for record in manager.pending_records.get(rid, ()):
+                boundary = record.num_blocks * manager.block_size
+                if start < boundary <= end:
+                    orders.record_writes.append((rid, boundary, list(record.slots)))
+                    manager.step_written.append(record)
+            fresh = manager.fresh.get(rid)
+            if fresh is not None and rid in manager.step_fresh:
+                orders.fresh_blocks[rid] = [b.block_id for b in fresh]
+        manager.step_fresh.clear()
+    return orders
+
+
+def commit_records(managers: Sequence[H2OManager]) -> None:
+    """The step has run: the records it wrote serve hits from now on."""
+    for manager in managers:
+        if manager.records is None or not manager.step_written:
+            continue
+        for record in manager.step_written:
+            manager.records.commit(record)
+        for records in manager.pending_records.values():
+            records[:] = [r for r in records if not r.ready]
+        manager.step_written = []
