@@ -35,6 +35,8 @@ METRICS = {
     "attention_mass": ("counter", "Accumulated attention score of the compacted rows before "
                                   "compaction, summed over layers and KV heads."),
     "live_kv_tokens": ("gauge", "KV tokens held per (layer, KV head) by running requests."),
+    "score_record_tokens": ("gauge", "Prefix-cache score records held, in tokens: each is one fp32 "
+                                     "per (layer, KV head) (0 with prefix caching off)."),
 }
 
 

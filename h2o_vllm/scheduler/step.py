@@ -60,5 +60,6 @@ def record_metrics(managers: Sequence[H2OManager], running: Iterable) -> None:
         return
     evicted = managers[0].num_evicted
     live = sum(r.num_computed_tokens - evicted.get(r.request_id, 0) for r in running)
+    records = sum(m.records.slots_in_use * m.block_size for m in managers if m.records is not None)
     metrics.recorder().set(freed_blocks=sum(m.num_freed_blocks for m in managers),
-                           live_kv_tokens=live)
+                           live_kv_tokens=live, score_record_tokens=records)

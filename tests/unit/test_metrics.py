@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from h2o_vllm import metrics
 
 TOTALS = {"evicted_tokens": 12, "freed_blocks": 2, "compactions": 3, "evicted_attention_mass": 1.5,
-          "attention_mass": 6.0, "live_kv_tokens": 40}
+          "attention_mass": 6.0, "live_kv_tokens": 40, "score_record_tokens": 32}
 
 
 def _settle():
@@ -72,7 +72,8 @@ def test_metrics_read_totals_sums_writers_and_ignores_junk(tmp_path):
     (tmp_path / "sub.json").mkdir()  # unreadable as a file
     totals = metrics.read_totals(str(tmp_path))
     assert totals == {"evicted_tokens": 13.5, "freed_blocks": 1, "compactions": 4,
-                      "evicted_attention_mass": 0, "attention_mass": 4, "live_kv_tokens": 7}
+                      "evicted_attention_mass": 0, "attention_mass": 4, "live_kv_tokens": 7,
+                      "score_record_tokens": 0}
 
 
 def test_metrics_read_totals_zero_without_directory(tmp_path, monkeypatch):

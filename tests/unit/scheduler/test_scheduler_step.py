@@ -139,7 +139,8 @@ def test_scheduler_step_record_metrics_sets_recorder(monkeypatch):
     step.record_metrics([first, second], running)
     # In each group a keeps 16 of 100 tokens (6 blocks freed), b 16 of 40 (2 freed).
     assert (first.num_freed_blocks, second.num_freed_blocks) == (8, 8)
-    assert metrics.recorder().values == {"freed_blocks": 16, "live_kv_tokens": 16 + 16}
+    assert metrics.recorder().values == {"freed_blocks": 16, "live_kv_tokens": 16 + 16,
+                                         "score_record_tokens": 0}
     before = dict(metrics.recorder().values)
     step.record_metrics([], running)  # no H2O group: nothing recorded
     assert metrics.recorder().values == before
