@@ -1,0 +1,484 @@
+"""H2O with vLLM's prefix cache, scheduler side: H2OManager with caching on, on a real vLLM
+BlockPool(enable_caching=True) and real Requests with a block hasher, driven the way vLLM's
+scheduler drives it (scheduler/manager.py, scheduler/prefix.py).
+
+``Engine`` below is a small stand-in for vLLM's Scheduler + KVCacheManager: a waiting request
+gets vLLM's hit (``find_longest_cache_hit``), cut by ``cut_hit`` as the get_computed_blocks hook
+does, then ``allocate_slots``' calls in its order (free skipped, count, add the hit, allocate,
+cache); ``schedule`` ends with ``prefix_orders`` as the schedule hook does; ``finish_step`` is
+update_from_output (``commit_records``, CoW retentions released, compacted tails freed). Every
+allocation checks that the pool gave exactly the count ``get_num_blocks_to_allocate`` returned.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+from h2o_vllm.config import H2OConfig
+from h2o_vllm.policy import kv_len_after
+from h2o_vllm.scheduler import step as sched_step
+from h2o_vllm.scheduler.manager import H2OManager
+from h2o_vllm.scheduler.prefix import commit_records, cut_hit, prefix_orders, record_key
+from h2o_vllm.scheduler.spec import H2OAttentionSpec
+
+BLOCK = 4
+ENGINE = H2OConfig(heavy_tokens=4, recent_tokens=4)  # budget 8, interval one block (4)
+NUM_BLOCKS = 64
+
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def _full():
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
+
+
+def _request(rid, tokens, extra_args=None, max_tokens=100):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
+                   None, block_hasher=HASHER)
+
+
+def _ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+class Engine:
+    def __init__(self, config=ENGINE, num_blocks=NUM_BLOCKS):
+        self.pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=BLOCK)
+        self.m = H2OManager(H2OAttentionSpec.from_full(_full(), config), block_pool=self.pool,
+                            enable_caching=True, kv_cache_group_id=0, scheduler_block_size=BLOCK)
+        self.requests: dict[str, Request] = {}
+        self.waiting: set[str] = set()
+        self.copies: list = []     # CoW pairs of the last schedule
+        self.counts: dict[str, int] = {}
+        self.hits: dict[str, list] = {}  # rid -> the (cut) hit's cached blocks
+
+    def add(self, request):
+        sched_step.add_request([self.m], request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request.request_id)
+        return request
+
+    def vllm_hit(self, request):
+        """vLLM's own lookup (KVCacheManager.get_computed_blocks): at most num_tokens - 1."""
+        (blocks,), n = self.m.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1, [0], self.pool, self.m.kv_cache_spec,
+            False, BLOCK)
+        return blocks, n
+
+    def schedule(self, tokens: dict[str, int]):
+        """One schedule: tokens per request (None: the rest of its tokens); returns the orders."""
+        m, new = self.m, []
+        self.counts = {}
+        for rid, n in tokens.items():
+            request = self.requests[rid]
+            hit = None
+            if rid in self.waiting:
+                self.waiting.discard(rid)
+                new.append(SimpleNamespace(req_id=rid))
+                blocks, num_hit = self.vllm_hit(request)
+                cut = cut_hit(m, request, num_hit)
+                hit = blocks[:cut // BLOCK]
+                self.hits[rid] = hit
+                request.num_computed_tokens = cut
+            if n is None:
+                n = request.num_tokens - request.num_computed_tokens
+                tokens[rid] = n
+            total = request.num_computed_tokens
+            main = total + n
+            m.remove_skipped_blocks(rid, total, request.num_prompt_tokens)
+            free = self.pool.get_num_free_blocks()
+            count = m.get_num_blocks_to_allocate(rid, main, hit or [], total, total, main)
+            if hit is not None:
+                m.add_local_computed_blocks(rid, hit, total, 0)
+            m.allocate_new_blocks(rid, main, main)
+            m.cache_blocks(request, min(main, request.num_tokens), replay_boundaries=[])
+            assert free - self.pool.get_num_free_blocks() == count, rid
+            self.counts[rid] = count
+            request.num_computed_tokens = main  # vLLM counts the scheduled tokens in schedule()
+        self.copies = m.take_pending_cow_copies()
+        output = SimpleNamespace(num_scheduled_tokens=dict(tokens), scheduled_new_reqs=new,
+                                 scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
+        return prefix_orders([self.m], output, self.requests)
+
+    def finish_step(self, sampled: dict[str, int] | None = None):
+        """update_from_output: records committed, CoW retentions released, decode tokens
+        appended, compacted tails freed."""
+        commit_records([self.m])
+        self.pool.free_blocks([b for pair in self.copies for b in pair])
+        self.copies = []
+        for rid, token in (sampled or {}).items():
+            self.requests[rid].append_output_token_ids(token)
+        for request in self.requests.values():
+            if request.request_id in self.m.req_to_blocks:
+                self.m.remove_skipped_blocks(request.request_id, request.num_computed_tokens,
+                                             request.num_prompt_tokens)
+
+    def run_prompt(self, request, chunk=None):
+        """Admit and prefill a whole prompt (in chunks of ``chunk``), one step per chunk;
+        returns the orders of each step."""
+        self.add(request)
+        orders = []
+        while request.num_computed_tokens < request.num_prompt_tokens or request.request_id in self.waiting:
+            if request.request_id in self.waiting:
+                blocks, n = self.vllm_hit(request)  # look ahead to size the first chunk
+                start = cut_hit(self.m, request, n)
+            else:
+                start = request.num_computed_tokens
+            left = request.num_prompt_tokens - start
+            orders.append(self.schedule({request.request_id: left if chunk is None else min(chunk, left)}))
+            self.finish_step()
+        return orders
+
+    def free(self, rid):
+        """A request that finishes (vLLM frees its blocks in reverse order)."""
+        self.pool.free_blocks(reversed(self.m.pop_blocks_for_free(rid)))
+        sched_step.finish_request([self.m], rid)
+        self.requests.pop(rid)
+
+    def key(self, request, num_blocks, decay=1.0):
+        return record_key(request, num_blocks, decay, BLOCK, BLOCK)
+
+
+PROMPT = list(range(100, 120))  # 20 tokens, 5 blocks; records at its last boundary: 16
+
+
+# --- cache_blocks ------------------------------------------------------------------------
+
+def test_cache_blocks_caches_only_full_prompt_blocks():
+    wide = {"h2o_heavy_tokens": 64, "h2o_recent_tokens": 64}  # never compacts here
+    e = Engine()
+    r = e.add(_request("r", range(22), extra_args=wide))  # 5 full blocks + 2 tokens
+    e.schedule({"r": None})
+    e.finish_step()
+    row = e.m.req_to_blocks["r"]
+    assert [b.block_hash is not None for b in row] == [True] * 5 + [False]
+    for token in (22, 23):  # block 6 fills with output tokens
+        r.append_output_token_ids(token)
+        e.schedule({"r": 1})
+        e.finish_step()
+    assert r.num_computed_tokens == 24 and len(e.m.req_to_blocks["r"]) == 6
+    assert e.m.req_to_blocks["r"][5].block_hash is None  # output tokens are never cached
+    # Control: stock vLLM caches that block.
+    stock = FullAttentionManager(_full(), block_pool=e.pool, enable_caching=True,
+                                 kv_cache_group_id=0, scheduler_block_size=BLOCK)
+    stock.allocate_new_blocks("r", 24, 24)  # its own bookkeeping, same request
+    stock.cache_blocks(r, 24, replay_boundaries=[])
+    assert all(b.block_hash is not None for b in stock.req_to_blocks["r"])
+
+
+def test_cache_blocks_caches_nothing_once_compacted():
+    e = Engine()
+    r = e.add(_request("r", range(18)))  # 4 full blocks + 2; compacts to 8 at its end
+    e.schedule({"r": None})
+    e.finish_step()
+    assert e.m.num_evicted["r"] == 10
+    row = e.m.req_to_blocks["r"]
+    assert len(row) == 2 and all(b.block_hash is None for b in row)
+    for token in range(6):  # logical 24: six full logical blocks, stock would cache more
+        r.append_output_token_ids(1000 + token)
+        e.schedule({"r": 1})
+        e.m.cache_blocks(r, r.num_tokens, replay_boundaries=[])
+        e.finish_step()
+    assert all(b.block_hash is None for b in e.m.req_to_blocks["r"])
+    assert e.m.num_cached_block["r"] == 4  # nothing past the 4 prompt blocks it cached
+
+
+# --- a hit, redirected -------------------------------------------------------------------
+
+def _recorded_prompt(e, tokens=PROMPT, rid="a", extra_args=None):
+    """A request that prefills ``tokens`` (records its last boundary), then finishes."""
+    a = _request(rid, tokens, extra_args=extra_args)
+    e.run_prompt(a)
+    e.free(rid)
+    return a
+
+
+def test_hit_is_redirected_to_copies_with_record_slots():
+    e = Engine()
+    a = _recorded_prompt(e)
+    record = e.m.records.ready(e.key(a, 4))
+    assert record is not None and record.num_blocks == 4
+    cached = [e.pool.get_cached_block(h, [0])[0] for h in a.block_hashes[:4]]
+    assert all(b.ref_cnt == 0 for b in cached)  # a finished: cached, evictable
+    free = e.pool.get_num_free_blocks()
+    b = e.add(_request("b", PROMPT))
+    orders = e.schedule({"b": None})
+    assert e.hits["b"] == cached and b.num_computed_tokens == 20
+    row = e.m.req_to_blocks["b"]
+    # The row holds copies, not the cached blocks; the cached ones keep their hashes, stay
+    # in the cache, and stay held (the hit ref) until the copy has run.
+    assert not set(_ids(row[:4])) & set(_ids(cached))
+    assert all(c.block_hash is None for c in row[:4])
+    assert [e.pool.get_cached_block(h, [0])[0] for h in a.block_hashes[:4]] == cached
+    assert [(s.block_id, c.block_id) for s, c in e.copies] == list(zip(_ids(cached), _ids(row[:4])))
+    assert all(s.ref_cnt == 1 for s in cached) and all(c.ref_cnt == 2 for c in row[:4])
+    assert orders.score_inits == list(zip(_ids(row[:4]), record.slots))
+    assert e.m.step_score_inits == []  # drained into the orders
+    # Count: 1 new block + 4 evictable hit blocks touched + 4 copies + 2 fresh (the step
+    # ends the prompt: first compaction, 8 tokens = 2 blocks).
+    assert e.counts["b"] == 1 + 4 + 4 + 2 == free - e.pool.get_num_free_blocks()
+    assert orders.fresh_blocks == {"b": _ids(e.m.fresh["b"])}
+    assert orders.record_writes == []  # its boundary already has a record
+    e.finish_step()
+    assert all(s.ref_cnt == 0 and s.block_hash is not None for s in cached)  # back in the cache
+
+
+def test_obs_window_hit_is_cut_to_the_window_and_scores_zeros():
+    e = Engine()
+    a = _request("a", PROMPT, extra_args={"h2o_obs_window": 7})
+    e.run_prompt(a)
+    assert len(e.m.records) == 0 and e.m.records.slots_in_use == 0  # records nothing
+    e.free("a")
+    b = e.add(_request("b", PROMPT, extra_args={"h2o_obs_window": 7}))
+    blocks, n = e.vllm_hit(b)
+    assert n == 16
+    orders = e.schedule({"b": None})
+    # floor((20 - 7) / 4) = 3 blocks, without any record.
+    assert b.num_computed_tokens == 20 and len(e.hits["b"]) == 3
+    assert [slot for _, slot in orders.score_inits] == [-1, -1, -1]
+    assert len(e.m.records) == 0 and orders.record_writes == []
+
+
+# --- the first compaction into fresh blocks, later ones in place, no leak ---------------
+
+def test_first_compaction_moves_the_row_to_fresh_blocks_then_compacts_in_place():
+    e = Engine()
+    capacity = e.pool.get_num_free_blocks()
+    assert capacity == NUM_BLOCKS - 1
+    r = e.add(_request("r", PROMPT))
+    free = e.pool.get_num_free_blocks()
+    orders = e.schedule({"r": 12})  # a first chunk: no compaction in this step
+    assert e.counts["r"] == 3 and "r" not in e.m.fresh and orders.fresh_blocks == {}
+    e.finish_step()
+    # The chunk that ends the prompt: 2 more blocks + fresh blocks for kv_len_after = 8.
+    assert kv_len_after(20, 20, ENGINE.budget(20, BLOCK)) == 8
+    orders = e.schedule({"r": 8})
+    assert e.counts["r"] == 2 + 2
+    fresh = list(e.m.fresh["r"])
+    old = list(e.m.req_to_blocks["r"])
+    assert orders.fresh_blocks == {"r": _ids(fresh)} and len(old) == 5
+    assert not set(_ids(fresh)) & set(_ids(old))
+    e.finish_step()
+    # The row became the fresh blocks; all five old ones went back (cached ones keep hashes).
+    assert e.m.req_to_blocks["r"] == fresh and "r" not in e.m.fresh
+    assert all(b.ref_cnt == 0 for b in old)
+    assert [b.block_hash is not None for b in old] == [True] * 5
+    assert [e.pool.get_cached_block(h, [0])[0] for h in r.block_hashes[:5]] == old
+    assert e.pool.get_num_free_blocks() == free - 2
+    assert e.m.num_freed_blocks == 3  # 5 held - 2 kept
+    # Later compactions: in place, no fresh blocks.
+    for i in range(4):  # 21..24: compaction at 24 back to 8
+        r.append_output_token_ids(1000 + i)
+        orders = e.schedule({"r": 1})
+        assert orders.fresh_blocks == {} and "r" not in e.m.fresh
+        e.finish_step()
+    assert e.m.num_evicted["r"] == 16 and e.m.req_to_blocks["r"] == fresh
+    e.free("r")
+    assert e.pool.get_num_free_blocks() == capacity
+
+
+def test_pop_blocks_for_free_returns_unused_fresh_blocks():
+    """Preempted between the schedule that allocated its fresh blocks and the step's end."""
+    e = Engine()
+    capacity = e.pool.get_num_free_blocks()
+    e.add(_request("r", PROMPT))
+    e.schedule({"r": None})
+    held = list(e.m.req_to_blocks["r"]) + list(e.m.fresh["r"])
+    popped = e.m.pop_blocks_for_free("r")
+    assert sorted(_ids(popped)) == sorted(_ids(held)) and len(popped) == 7
+    e.pool.free_blocks(reversed(popped))
+    assert e.pool.get_num_free_blocks() == capacity and not e.m.fresh
+
+
+def test_no_leak_across_hits_compactions_and_frees():
+    e = Engine()
+    capacity = e.pool.get_num_free_blocks()
+    _recorded_prompt(e)
+    for rid in ("b", "c"):  # two hits on the same record, at once
+        e.add(_request(rid, PROMPT))
+    e.schedule({"b": None, "c": None})
+    assert len(e.copies) == 8
+    e.finish_step()
+    for i in range(5):
+        for rid in ("b", "c"):
+            e.requests[rid].append_output_token_ids(7 + i)
+        e.schedule({"b": 1, "c": 1})
+        e.finish_step()
+    e.free("b")
+    e.free("c")
+    assert e.pool.get_num_free_blocks() == capacity == NUM_BLOCKS - 1
+    assert all(b.ref_cnt == 0 for b in e.pool.blocks[1:])
+
+
+# --- cut_hit ----------------------------------------------------------------------------
+
+def test_hit_without_record_is_cut_to_zero():
+    e = Engine()
+    a = _request("a", PROMPT)
+    e.run_prompt(a)
+    e.free("a")
+    e.m.records.drop(e.m.records._index[e.key(a, 4)])  # the cache keeps the blocks, not the record
+    b = e.add(_request("b", PROMPT))
+    _, n = e.vllm_hit(b)
+    assert n == 16  # vLLM would hit 4 blocks
+    assert cut_hit(e.m, b, n) == 0
+    assert e.m.longest_match["b"] == 4 and e.m.hit_records["b"] is None
+
+
+def test_ready_record_lets_the_hit_through_to_its_boundary():
+    e = Engine()
+    a = _recorded_prompt(e)  # record at 4 blocks
+    longer = PROMPT + list(range(500, 512))  # 32 tokens: vLLM hits the same 4 blocks
+    b = e.add(_request("b", longer))
+    assert cut_hit(e.m, b, 16) == 16 and e.m.hit_records["b"] is e.m.records.ready(e.key(a, 4))
+    # Cut back to the longest recorded boundary below the match, not past it.
+    c = e.add(_request("c", PROMPT[:10] + [7] * 10))  # shares 2 blocks
+    rec2 = e.m.records.reserve(e.key(c, 2), 2, "x")
+    e.m.records.commit(rec2)
+    assert cut_hit(e.m, b, 16) == 16
+    e.m.records.drop(e.m.records._index[e.key(a, 4)])
+    assert cut_hit(e.m, b, 16) == 8 and e.m.hit_records["b"] is rec2
+    assert cut_hit(e.m, b, 4) == 0  # the 1-block prefix has no record
+
+
+def test_record_of_another_decay_does_not_serve():
+    e = Engine()
+    a = _recorded_prompt(e, extra_args={"h2o_decay": 0.9})
+    assert e.m.records.ready(e.key(a, 4, 0.9)) is not None
+    paper = e.add(_request("b", PROMPT))
+    assert cut_hit(e.m, paper, 16) == 0
+    other = e.add(_request("c", PROMPT, extra_args={"h2o_decay": 0.8}))
+    assert cut_hit(e.m, other, 16) == 0
+    same = e.add(_request("d", PROMPT, extra_args={"h2o_decay": 0.9}))
+    assert cut_hit(e.m, same, 16) == 16
+
+
+@pytest.mark.parametrize("prompt_len, window, matched, expected_blocks",
+                         [(20, 7, 4, 3), (20, 4, 4, 4), (20, 20, 4, 0), (20, 30, 4, 0), (20, 9, 2, 2),
+                          (23, 3, 5, 5)])
+def test_obs_window_cut_is_floor_of_prompt_minus_window(prompt_len, window, matched, expected_blocks):
+    e = Engine()
+    r = e.add(_request("r", range(prompt_len), extra_args={"h2o_obs_window": window}))
+    assert expected_blocks == min(matched, max(0, prompt_len - window) // BLOCK)
+    assert cut_hit(e.m, r, matched * BLOCK) == expected_blocks * BLOCK
+    assert e.m.hit_records["r"] is None
+
+
+# --- plan_records / prefix_orders / commit_records -----------------------------------------
+
+SHARED = list(range(100, 112))                  # 3 blocks A and C share
+C_TOKENS = SHARED + list(range(300, 318))       # 30 tokens; last boundary 28 (7 blocks)
+
+
+def test_record_writes_appear_in_the_step_crossing_each_boundary():
+    e = Engine()
+    _recorded_prompt(e)  # caches A's 5 prompt blocks; records A at 16
+    c = e.add(_request("c", C_TOKENS))
+    _, n = e.vllm_hit(c)
+    assert n == 12  # the shared 3 blocks, no record at 3 blocks: cut to 0
+    orders = [e.schedule({"c": 10})]
+    # c plans its longest match (3 blocks) and its last boundary (7 blocks).
+    planned = list(e.m.pending_records["c"])  # commit_records prunes the list in place
+    assert [r.num_blocks for r in planned] == [3, 7]
+    assert all(e.m.records.ready(r.key) is None for r in planned)
+    e.finish_step()
+    for chunk in (8, 2, 7, 3):  # ranges [10, 18) [18, 20) [20, 27) [27, 30)
+        orders.append(e.schedule({"c": chunk}))
+        e.finish_step()
+    writes = [[(rid, boundary, slots) for rid, boundary, slots in o.record_writes] for o in orders]
+    assert writes == [[], [("c", 12, planned[0].slots)], [], [], [("c", 28, planned[1].slots)]]
+    assert e.m.pending_records["c"] == []
+
+
+def test_one_step_crossing_both_boundaries_writes_both_in_order():
+    e = Engine()
+    _recorded_prompt(e)
+    c = e.add(_request("c", C_TOKENS))
+    orders = e.schedule({"c": None})
+    assert [(rid, boundary) for rid, boundary, _ in orders.record_writes] == [("c", 12), ("c", 28)]
+    e.finish_step()
+    assert e.m.records.ready(e.key(c, 3)) is not None and e.m.records.ready(e.key(c, 7)) is not None
+
+
+def test_commit_makes_records_usable_by_cut_hit():
+    e = Engine()
+    _recorded_prompt(e)
+    c = e.add(_request("c", C_TOKENS))
+    e.schedule({"c": None})
+    d = e.add(_request("d", C_TOKENS))
+    f = e.add(_request("f", SHARED + [9] * 8))
+    # Not yet committed: the step has not run.
+    assert cut_hit(e.m, d, 28) == 0 and cut_hit(e.m, f, 12) == 0
+    e.finish_step()
+    assert cut_hit(e.m, d, 28) == 28
+    assert cut_hit(e.m, f, 12) == 12  # the longest-match record serves a third prefix
+    e.free("c")
+    _, n = e.vllm_hit(d)
+    assert n == 28  # and vLLM's own hit reaches it (c's prompt blocks are cached)
+
+
+def test_admitted_request_records_nothing_already_present():
+    e = Engine()
+    _recorded_prompt(e)
+    before = e.m.records.slots_in_use
+    b = e.add(_request("b", PROMPT))
+    orders = e.schedule({"b": None})
+    assert orders.record_writes == [] and e.m.pending_records["b"] == []
+    assert e.m.records.slots_in_use == before == 4
+    # A pending record (c in flight) is not reserved twice either.
+    e.finish_step()
+    c = e.add(_request("c", C_TOKENS))
+    e.schedule({"c": 10})
+    e.finish_step()
+    d = e.add(_request("d", C_TOKENS))
+    orders = e.schedule({"d": None})
+    assert e.m.pending_records["d"] == [] and orders.record_writes == []
+    assert e.m.records.has(e.key(c, 7)) and e.m.records.ready(e.key(c, 7)) is None
+
+
+def test_preempted_request_drops_its_pending_records():
+    e = Engine()
+    _recorded_prompt(e)  # 4 slots; c matches its first 3 blocks
+    c = e.add(_request("c", C_TOKENS))
+    e.schedule({"c": 14})  # writes 12 (3 blocks); 28 (7 blocks) still pending
+    e.finish_step()
+    assert e.m.records.ready(e.key(c, 3)) is not None
+    assert e.m.records.has(e.key(c, 7)) and e.m.records.slots_in_use == 4 + 3 + 7
+    blocks = e.m.pop_blocks_for_free("c")  # preemption: KVCacheManager.free
+    e.pool.free_blocks(reversed(blocks))
+    assert not e.m.records.has(e.key(c, 7)) and e.m.records.slots_in_use == 4 + 3
+    assert "c" not in e.m.pending_records and "c" not in e.m.longest_match
+    assert e.m.records.ready(e.key(c, 3)) is not None  # a written one stays
+
+
+def test_resumed_request_plans_again():
+    e = Engine()
+    _recorded_prompt(e)
+    c = e.add(_request("c", C_TOKENS))
+    e.schedule({"c": 14})
+    e.finish_step()
+    e.pool.free_blocks(reversed(e.m.pop_blocks_for_free("c")))
+    c.num_computed_tokens = 0
+    # Resumed: its hit is cut to 12 (its own record), it reserves 28 again.
+    blocks, n = e.vllm_hit(c)
+    assert n == 12 and cut_hit(e.m, c, n) == 12
+    hit = blocks[:3]
+    c.num_computed_tokens = 12
+    e.m.get_num_blocks_to_allocate("c", 30, hit, 12, 12, 30)
+    e.m.add_local_computed_blocks("c", hit, 12, 0)
+    e.m.allocate_new_blocks("c", 30, 30)
+    c.num_computed_tokens = 30
+    output = SimpleNamespace(num_scheduled_tokens={"c": 18}, scheduled_new_reqs=[],
+                             scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"c"}))
+    orders = prefix_orders([e.m], output, e.requests)
+    assert [(rid, boundary) for rid, boundary, _ in orders.record_writes] == [("c", 28)]
+    assert len(orders.score_inits) == 3
