@@ -103,22 +103,21 @@ def _truncate_rows(runner, plan) -> None:
                 table.num_blocks_per_row[row] = keep
                 del runner.requests[batch.req_ids[row]].block_ids[group_id][keep:]
             if fresh is not None:
+                runner.requests[batch.req_ids[row]].block_ids[group_id][:] = fresh
                 runner.__dict__.setdefault("_h2o_rewrites", {})[batch.req_ids[row]] = (group_id, fresh)
             logger.debug("h2o: request %s compacted from %d to %d KV tokens", batch.req_ids[row],
                          int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
 
 
 def _rewrite_rows(runner) -> None:
-    """Rows that compacted into fresh blocks in the last step become those blocks, as
-    ``H2OManager.remove_skipped_blocks`` made them on the scheduler."""
+    """Block-table rows that compacted into fresh blocks in the last step become those blocks,
+    as ``H2OManager.remove_skipped_blocks`` made them on the scheduler (the request states
+    already hold them)."""
     rewrites = runner.__dict__.pop("_h2o_rewrites", None)
     if not rewrites:
         return
     batch = runner.input_batch
     for req_id, (group_id, fresh) in rewrites.items():
-        state = runner.requests.get(req_id)
-        if state is not None:
-            state.block_ids[group_id][:] = fresh
         row = batch.req_id_to_index.get(req_id)
         if row is not None:
             batch.block_table[group_id].add_row(list(fresh), row)
