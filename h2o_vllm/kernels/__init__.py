@@ -24,6 +24,9 @@ import torch
 _LAUNCHERS = {
     "accumulate_decode_scores": "h2o_vllm.kernels.decode_scores",
     "accumulate_prefill_scores": "h2o_vllm.kernels.prefill_scores",
+    "accumulate_prefill_scores_from_lse": "h2o_vllm.kernels.prefill_scores",
+    "h2o_attention": "h2o_vllm.kernels.attention",
+    "decode_logit_offsets": "h2o_vllm.kernels.attention",
     "prefill_lse": "h2o_vllm.kernels.prefill_scores",
     "compact_rows": "h2o_vllm.kernels.compact",
 }

@@ -75,16 +75,29 @@ class H2OImplMixin:
             num_tokens = attn_metadata.slot_mapping.shape[0]
             self.do_kv_cache_update(layer, key[:num_tokens], value[:num_tokens], kv_cache,
                                     attn_metadata.slot_mapping)
-        super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                        output_scale, output_block_scale)
         step = getattr(attn_metadata, "h2o", None)
-        if step is not None and owns_cache:
-            views = self.ops.cache_views(kv_cache)
-            mass = update_scores_and_compact(step, self.ops, query, views, self._scores_like(views),
-                                             self.scale)
-            if step.due:
-                self._mass.push(mass)
+        if step is None or not owns_cache:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        views = self.ops.cache_views(kv_cache)
+        scores = self._scores_like(views)
+        fused = self._fused_attention(step, query, views, scores, attn_metadata, output,
+                                      output_scale, output_block_scale)
+        if not fused:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                            output_scale, output_block_scale)
+        mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
+                                         accumulated=fused)
+        if step.due:
+            self._mass.push(mass)
         return output
+
+    def _fused_attention(self, step: H2OStep, query, views, scores, attn_metadata, output,
+                         output_scale, output_block_scale) -> bool:
+        """A device whose attention kernel also adds this step's scores runs it here and
+        returns True (the CUDA path: worker/cuda/backend.py); by default vLLM's attention
+        runs, then the device's accumulate."""
+        return False
 
     def _scores_like(self, views) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, _ = views.keys.shape

@@ -152,7 +152,8 @@ def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> t
 
 
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
-                              scores: torch.Tensor, scale: float) -> torch.Tensor:
+                              scores: torch.Tensor, scale: float, *,
+                              accumulated: bool = False) -> torch.Tensor:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (decayed and
     weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -160,10 +161,12 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
     compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
     head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
-    before and after compaction (for metrics, without a device sync).
+    before and after compaction (for metrics, without a device sync). accumulated: the
+    attention kernel has already done the first two (the CUDA path's fused attention).
     """
-    scores[step.new_blocks, :, step.new_offsets] = 0.0
-    ops.accumulate(step, query, views, scores, scale)
+    if not accumulated:
+        scores[step.new_blocks, :, step.new_offsets] = 0.0
+        ops.accumulate(step, query, views, scores, scale)
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
