@@ -89,8 +89,7 @@ def h2o_attention_kernel(
     bt_row = block_table + row.to(tl.int64) * stride_bt
     if SCORES:
         dec_off = tl.load(decode_offsets + row)
-        keep_logits = dec_off >= 0
-        lg_mask = m_mask & (tl.zeros([BLOCK_M], tl.int64) + dec_off >= 0)
+        keep_logits = dec_off >= 0  # uniform per program: a branch, not a mask
         lg_row = logits + q_head.to(tl.int64)[:, None] * stride_gh + dec_off
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -111,9 +110,9 @@ def h2o_attention_kernel(
         s = _dot(q, k, IEEE) * scale_log2
         visible = m_mask[:, None] & n_mask[None, :] & (offs_n[None, :] <= (ctx_len + q_pos)[:, None])
         s = tl.where(visible, s, float("-inf"))
-        if SCORES:  # decode rows keep their logits (one query: n_mask is the row's live keys)
-            tl.store(lg_row + offs_n[None, :], s,
-                     mask=lg_mask[:, None] & n_mask[None, :])
+        if SCORES:
+            if keep_logits:  # decode rows keep their logits (one query: n_mask = live keys)
+                tl.store(lg_row + offs_n[None, :], s, mask=m_mask[:, None] & n_mask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding lanes: no NaN
         p = tl.exp2(s - m_new[:, None])
