@@ -64,7 +64,8 @@ def h2o_attention_kernel(
         stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
-        IEEE: tl.constexpr, SCORES: tl.constexpr, WEIGHTED: tl.constexpr):
+        SCORE_TILE: tl.constexpr, IEEE: tl.constexpr, SCORES: tl.constexpr,
+        WEIGHTED: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = _find_row(query_start_loc, q_block, num_rows, BLOCK_Q)
@@ -129,7 +130,7 @@ def h2o_attention_kernel(
         if keep_logits:
             _decode_scores(lg_row, lse2, m_mask, bt_row, kv_len, kv_head, scores, query_weight,
                            score_scale, row, q_start, stride_sb, stride_sh, stride_ss,
-                           block_size, TILE, WEIGHTED)
+                           block_size, SCORE_TILE, WEIGHTED)
         else:  # natural log, the layout accumulate_prefill_scores_from_lse reads
             tl.store(lse + tok * stride_lt + q_head * stride_lh, lse2 * 0.6931471805599453,
                      mask=m_mask)
@@ -140,7 +141,9 @@ def _decode_scores(lg_row, lse2, m_mask, bt_row, kv_len, kv_head, scores, query_
                    score_scale, row, token, stride_sb, stride_sh, stride_ss, block_size,
                    TILE: tl.constexpr, WEIGHTED: tl.constexpr):
     """A decode row's probabilities from its stored logits and final LSE, summed over the
-    group, added at the row's slots of this KV head."""
+    group, added at the row's slots of this KV head. TILE can be wider than the attention's:
+    no K or V here, only [BLOCK_M, TILE] fp32 logits, so fewer, longer iterations hide the
+    latency of this loop's dependent loads and stores."""
     # The logits were stored by other threads of this program: order those stores first.
     tl.debug_barrier()
     if WEIGHTED:
@@ -173,7 +176,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   decode_offsets: torch.Tensor | None = None, num_decode_keys: int = 0,
                   query_weight: torch.Tensor | None = None,
                   score_scale: torch.Tensor | None = None,
-                  tile_n: int = 32) -> torch.Tensor | None:
+                  tile_n: int = 32, score_tile: int = 128) -> torch.Tensor | None:
     """out = causal paged attention of the batch; with ``scores``, also H2O's scores.
 
     query, out: [num_tokens, num_q_heads, head_size] packed by query_start_loc [num_rows + 1]
@@ -200,7 +203,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, contiguous in "
                          f"head_size; got {tuple(out.shape)} {out.dtype}")
-    check_tile(tile_n=tile_n)
+    check_tile(tile_n=tile_n, score_tile=score_tile)
     num_rows = query_start_loc.shape[0] - 1
     check_lens("query_start_loc", query_start_loc, num_rows + 1, key_cache.device)
     check_lens("seq_lens", seq_lens, num_rows, key_cache.device)
@@ -237,7 +240,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         0 if logits is None else logits.stride(0),
         *(scores.stride() if scores is not None else (0, 0, 0)), block_size,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_SIZE=head_size,
-        HEAD_PAD=max(16, triton.next_power_of_2(head_size)), TILE=tile_n,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_size)), TILE=tile_n, SCORE_TILE=score_tile,
         IEEE=key_cache.dtype == torch.float32, SCORES=scores is not None, WEIGHTED=weighted)
     return lse
 

@@ -63,7 +63,7 @@ def fused_scores(query, key_cache, value_cache, block_table, query_start_loc, q_
     lse = attention.h2o_attention(query, key_cache, value_cache, out, block_table,
                                   query_start_loc, int32(kv_lens), scale, scores=scores,
                                   decode_offsets=offsets.to(DEVICE), num_decode_keys=num_keys,
-                                  tile_n=16, **weights)
+                                  tile_n=16, score_tile=16, **weights)
     starts = query_start_loc.tolist()
     rows = [r for r, n in enumerate(q_lens) if n > 1]
     tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(DEVICE)
