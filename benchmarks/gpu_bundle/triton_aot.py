@@ -3,7 +3,7 @@
 Why: the GPU machine's Triton (3.6) is older than the one vLLM 0.32 ships with, and a kernel
 that fails to compile there stops every engine minutes into a scarce GPU call. Triton can compile
 for a named target on any machine (its wheel carries ptxas), so the dry run does it first:
-H2O's per-layer step (score accumulation, compaction) and vLLM's ``reshape_and_cache_flash``,
+H2O's per-layer step (fused attention, score accumulation, compaction) and vLLM's ``reshape_and_cache_flash``,
 ``unified_attention`` (2D and 3D / segment reduction) and the runner's slot mapping, at the
 throughput model's shapes (bf16, head 128, GQA 4) and the tests' tiny Llama's (fp32, head 32,
 GQA 2). Kernels are compiled, never launched, so the CPU tensors are only read for their dtypes
@@ -73,10 +73,12 @@ def install(arch: int = 90) -> None:
     torch.cuda.current_device = lambda: 0
 
 
-def h2o_step(rows, kv_len, q_len, due, kv_heads, group, head, dtype, block=16):
-    """One layer's update_scores_and_compact (as benchmarks/cuda_step_timing.py builds it)."""
+def h2o_step(rows, kv_len, q_len, due, kv_heads, group, head, dtype, block=16, fused=False,
+             decay=1.0):
+    """One layer's update_scores_and_compact (as benchmarks/cuda_step_timing.py builds it);
+    fused: after the CUDA path's fused attention (TritonOps.attend), as the engine runs it."""
     from h2o_vllm.config import Budget
-    from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps
+    from h2o_vllm.worker.cuda.ops import TritonOps
     from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan
     from h2o_vllm.worker.step import make_step, update_scores_and_compact
 
@@ -87,19 +89,24 @@ def h2o_step(rows, kv_len, q_len, due, kv_heads, group, head, dtype, block=16):
     else:
         prompt, budget = 64, kv_len - (block if due else block // 2)
         computed = max(prompt, budget + block) + (block - 1 if due else block // 2 - 1)
-    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block)] * rows
+    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block,
+                      decay=decay)] * rows
     plan = make_step_plan(t(computed), t(q_len), t(prompt), budgets)
     per_row = -(-int(plan.kv_seq_lens.max()) // block)
     num_blocks = rows * per_row + 1
     table = (torch.arange(rows * per_row) + 1).view(rows, -1).to(torch.int32)
-    keys = torch.zeros(num_blocks, block, kv_heads, head, dtype=dtype)
+    ops = TritonOps(head)  # K and V as views of one Triton-attention kv_cache, as in the engine
+    views = ops.cache_views(torch.zeros(num_blocks, kv_heads, block, 2 * head, dtype=dtype))
     scores = torch.zeros(num_blocks, kv_heads, block)
     tokens = int(plan.query_lens.sum())
     query = torch.zeros(tokens, kv_heads * group, head, dtype=dtype)
     slots = kv_slot_mapping(plan, table, tokens, block)
     step = make_step(plan, table, slots, block)
-    update_scores_and_compact(step, TritonOps(head), query, TritonCacheViews(keys, keys.clone()),
-                              scores, head ** -0.5)
+    if fused:
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), plan.query_lens.cumsum(0)])
+        ops.attend(step, query, views, torch.empty_like(query), scores, head ** -0.5,
+                   starts.to(torch.int32))
+    update_scores_and_compact(step, ops, query, views, scores, head ** -0.5, accumulated=fused)
 
 
 def vllm_attention(kv_heads, group, head, dtype, block=16):
@@ -145,6 +152,12 @@ CASES = {
     "h2o decode + compaction, bf16": lambda: h2o_step(64, 1024, 1, True, 8, 4, 128, torch.bfloat16),
     "h2o prefill, bf16": lambda: h2o_step(1, 512, 512, False, 8, 4, 128, torch.bfloat16),
     "h2o decode + compaction, fp32 head 32 GQA 2": lambda: h2o_step(8, 300, 1, True, 2, 2, 32, torch.float32),
+    "h2o fused decode, bf16 head 128 GQA 4": lambda: h2o_step(64, 1024, 1, False, 8, 4, 128, torch.bfloat16, fused=True),
+    "h2o fused decode + compaction, decay, bf16": lambda: h2o_step(64, 1024, 1, True, 8, 4, 128, torch.bfloat16, fused=True, decay=0.9),
+    "h2o fused prefill, bf16": lambda: h2o_step(1, 512, 512, False, 8, 4, 128, torch.bfloat16, fused=True),
+    "h2o fused prefill, decay, bf16": lambda: h2o_step(1, 512, 512, False, 8, 4, 128, torch.bfloat16, fused=True, decay=0.9),
+    "h2o fused decode + compaction, fp32 head 32 GQA 2": lambda: h2o_step(8, 300, 1, True, 2, 2, 32, torch.float32, fused=True),
+    "h2o fused prefill, fp32 head 32 GQA 2": lambda: h2o_step(2, 40, 40, False, 2, 2, 32, torch.float32, fused=True),
     "vllm attention, bf16 head 128 GQA 4": lambda: vllm_attention(8, 4, 128, torch.bfloat16),
     "vllm attention, fp32 head 32 GQA 2": lambda: vllm_attention(2, 2, 32, torch.float32),
     "vllm slot mapping": vllm_slot_mapping,

@@ -1,18 +1,27 @@
-"""Triton kernels for the CUDA path (worker process): score accumulation and row compaction.
+"""Triton kernels for the CUDA path (worker process): fused attention with score accumulation,
+the unfused score kernels, and row compaction.
 
-One module per op: ``decode_scores`` (``accumulate_decode_scores``), ``prefill_scores``
-(``prefill_lse``, ``accumulate_prefill_scores``) and ``compact`` (``compact_rows``); ``tiles``
-holds what the score kernels share. Each op comes in three: ``<op>_kernel`` (jit), the ``<op>``
-launcher (importable from here), and a plain-torch twin of the same name in
-``h2o_vllm.kernels.twins``. Launchers load lazily, so the twins (torch only) import without
-Triton; the launchers' shared argument checks live here. Set ``TRITON_INTERPRET=1`` before the
-first import of a kernel module to run the kernels on CPU.
+One module per op: ``attention`` (``h2o_attention``: the CUDA path's attention, which also adds
+decode rows' scores and returns the log-sum-exp for the other rows), ``decode_scores``
+(``accumulate_decode_scores``), ``prefill_scores`` (``prefill_lse``,
+``accumulate_prefill_scores``, ``accumulate_prefill_scores_from_lse``: the prefill rows' score
+pass, also run after the fused attention) and ``compact`` (``compact_rows``); ``tiles`` holds
+what the score kernels share. ``accumulate_decode_scores`` and ``accumulate_prefill_scores``
+are the unfused path, kept as the tested reference of the fused one. Each op comes in three:
+``<op>_kernel`` (jit), the ``<op>`` launcher (importable from here), and (score and compaction
+ops) a plain-torch twin of the same name in ``h2o_vllm.kernels.twins``. Launchers load lazily,
+so the twins (torch only) import without Triton; the launchers' shared argument checks live
+here. Set ``TRITON_INTERPRET=1`` before the first import of a kernel module to run the kernels
+on CPU.
 
-The score kernels (``decode_scores``, ``prefill_scores``): every (row, KV head, KV position)
-of ``scores`` is written by exactly one program, so no atomics and the result is deterministic; this relies on rows not sharing blocks (prefix caching is off
-while H2O is on). Probabilities are recomputed from Q and K: the attention kernel does not
-return them. Math is fp32 whatever the cache dtype: Q and K are upcast on load (see
-``dot_precision``); softmax uses exp2 with log2(e) folded into the scale. Layouts: see
+The score kernels (``attention``, ``decode_scores``, ``prefill_scores``): every (row, KV head,
+KV position) of ``scores`` is written by exactly one program, so no atomics and the result is
+deterministic; this relies on rows not sharing blocks (prefix caching is off while H2O is on).
+The unfused kernels recompute probabilities from Q and K; the fused attention keeps decode
+rows' logits and every row's log-sum-exp instead (docs/cuda.md, "Fused attention"). Math is
+fp32 whatever the cache dtype: the score kernels upcast Q and K on load (see
+``dot_precision``), the fused attention dots 16-bit Q.K and P.V natively as vLLM's kernel does
+(exact products, fp32 sums); softmax uses exp2 with log2(e) folded into the scale. Layouts: see
 ``h2o_vllm.kernels.tiles``.
 """
 from __future__ import annotations
@@ -24,6 +33,9 @@ import torch
 _LAUNCHERS = {
     "accumulate_decode_scores": "h2o_vllm.kernels.decode_scores",
     "accumulate_prefill_scores": "h2o_vllm.kernels.prefill_scores",
+    "accumulate_prefill_scores_from_lse": "h2o_vllm.kernels.prefill_scores",
+    "h2o_attention": "h2o_vllm.kernels.attention",
+    "decode_logit_offsets": "h2o_vllm.kernels.attention",
     "prefill_lse": "h2o_vllm.kernels.prefill_scores",
     "compact_rows": "h2o_vllm.kernels.compact",
 }

@@ -70,7 +70,7 @@ def accumulate_prefill_scores_kernel(
         stride_lt, stride_lh, stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WEIGHTED: tl.constexpr):
+        WEIGHTED: tl.constexpr, FRESH: tl.constexpr):
     # One program per (row, KV head, tile of BLOCK_N KV positions): it owns those score columns
     # and loops over the (query, group head) tiles that can see them. Weighted: the columns'
     # old scores are decayed once, at the store, and each query's probabilities are weighted
@@ -113,11 +113,15 @@ def accumulate_prefill_scores_kernel(
             p = p * w[:, None]
         acc += tl.sum(p, axis=0)
     ptr = scores + blk * stride_sb + kv_head * stride_sh + (offs_n % block_size) * stride_ss
+    # FRESH: the slots this step wrote (positions >= ctx_len) start at 0, unread.
+    old_mask = n_mask
+    if FRESH:
+        old_mask = n_mask & (offs_n < ctx_len)
+    old = tl.load(ptr, mask=old_mask, other=0.0)
     if WEIGHTED:
-        old = tl.load(ptr, mask=n_mask, other=0.0) * tl.load(score_scale + row)
-        tl.store(ptr, old + acc, mask=n_mask)
+        tl.store(ptr, old * tl.load(score_scale + row) + acc, mask=n_mask)
     else:
-        tl.store(ptr, tl.load(ptr, mask=n_mask, other=0.0) + acc, mask=n_mask)
+        tl.store(ptr, old + acc, mask=n_mask)
 
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
@@ -171,21 +175,54 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     kv_seq_lens [num_rows] int32 counts this step's tokens (already in the cache), so a row may
     hold earlier chunks. Two tiled passes, never the full matrix: prefill_lse (K read once per
     query tile), then one program per KV tile reads its K once and loops over the query tiles
-    that see it (Q and lse read once per KV tile); QK^T is computed twice in all.
+    that see it (Q and lse read once per KV tile); QK^T is computed twice in all. The CUDA
+    path runs the fused attention instead (``h2o_vllm.kernels.attention``); this is its
+    tested reference.
     """
-    check_paged("key_cache", key_cache, block_table, scores)
-    # query_weight's length is query_start_loc[-1], on the device: not checked (no sync).
-    weighted = check_weights(query_weight, 0, score_scale, query_start_loc.shape[0] - 1,
-                             key_cache.device)
+    check_paged("key_cache", key_cache, block_table, scores)  # fail before any launch
+    check_weights(query_weight, 0, score_scale, query_start_loc.shape[0] - 1, key_cache.device)
     lse = prefill_lse(query, key_cache, block_table, query_start_loc, kv_seq_lens, scale,
                       max_query_len=max_query_len, block_m=block_m, block_n=block_n)
+    accumulate_prefill_scores_from_lse(query, key_cache, block_table, query_start_loc,
+                                       kv_seq_lens, lse, scores, scale, max_kv_len=max_kv_len,
+                                       query_weight=query_weight, score_scale=score_scale,
+                                       block_m=block_m, block_n=block_n)
+
+
+def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Tensor,
+                                       block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                                       kv_seq_lens: torch.Tensor, lse: torch.Tensor,
+                                       scores: torch.Tensor, scale: float, *,
+                                       max_kv_len: int | None = None,
+                                       query_weight: torch.Tensor | None = None,
+                                       score_scale: torch.Tensor | None = None,
+                                       fresh_new_slots: bool = False,
+                                       block_m: int = 64, block_n: int = 64) -> None:
+    """Pass 2 of accumulate_prefill_scores, given each (query, query head)'s causal
+    log-sum-exp lse [num_tokens, num_q_heads] fp32 (natural log, indexed like query): from
+    prefill_lse, or from the fused attention (``h2o_vllm.kernels.attention``), which computes
+    it anyway. One program per KV tile reads its K once; QK^T is computed once.
+
+    fresh_new_slots: the scores of this step's slots (each row's last q_len positions) are
+    taken as 0 instead of read, so the caller need not zero them first (the fused path)."""
+    check_paged("key_cache", key_cache, block_table, scores)
+    check_tile(block_m=block_m, block_n=block_n)
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    group = check_query(query, key_cache, num_kv_heads)
     num_rows = query_start_loc.shape[0] - 1
+    check_lens("query_start_loc", query_start_loc, num_rows + 1, key_cache.device)
+    check_lens("kv_seq_lens", kv_seq_lens, num_rows, key_cache.device)
+    if block_table.shape[0] < num_rows:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, need {num_rows}")
+    if lse.shape != query.shape[:2] or lse.dtype != torch.float32 or lse.device != query.device:
+        raise ValueError(f"lse must be {tuple(query.shape[:2])} float32 on {query.device}, "
+                         f"got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
+    # query_weight's length is query_start_loc[-1], on the device: not checked (no sync).
+    weighted = check_weights(query_weight, 0, score_scale, num_rows, key_cache.device)
     if max_kv_len is None:
         max_kv_len = int(kv_seq_lens.max()) if num_rows else 0
     if num_rows == 0 or max_kv_len == 0:
         return
-    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    group = query.shape[1] // num_kv_heads
     grid = (num_rows, num_kv_heads, triton.cdiv(max_kv_len, block_n))
     accumulate_prefill_scores_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores,
@@ -195,4 +232,4 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
         lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1), scores.stride(2),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted)
+        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted, FRESH=fresh_new_slots)

@@ -174,9 +174,22 @@ def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> t
     return tuple(out)
 
 
+def prepare_scores(step: H2OStep, scores: torch.Tensor, records: torch.Tensor | None) -> None:
+    """What the step's accumulation must find in place: the scores of prefix-cache hit copies
+    (their record's). Before the fused attention, or inside ``update_scores_and_compact``."""
+    if step.prefix is not None:
+        prefix_cache.init_hit_scores(step.prefix, scores, records)
+
+
+def fused_is_split(step: H2OStep) -> bool:
+    """Whether this step's accumulation is split at record boundaries (then unfused)."""
+    return step.prefix is not None and bool(step.prefix.phases)
+
+
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
                               scores: torch.Tensor, scale: float,
-                              records: torch.Tensor | None = None) -> torch.Tensor:
+                              records: torch.Tensor | None = None, *,
+                              accumulated: bool = False) -> torch.Tensor:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (decayed and
     weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -186,18 +199,19 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
     before and after compaction (for metrics, without a device sync). With prefix caching,
     ``records`` holds the layer's score records and ``step.prefix`` says what to do with them.
+    accumulated: the attention kernel has already zeroed the new slots and added this step's
+    probabilities (the CUDA path's fused attention, after ``prepare_scores``).
     """
-    scores[step.new_blocks, :, step.new_offsets] = 0.0
     prefix = step.prefix
-    if prefix is None:
-        ops.accumulate(step, query, views, scores, scale)
-    else:
-        prefix_cache.init_hit_scores(prefix, scores, records)
-        for phase, snap in zip(prefix.phases, prefix.snapshots):
+    if not accumulated:
+        scores[step.new_blocks, :, step.new_offsets] = 0.0
+        prepare_scores(step, scores, records)
+        phases = prefix.phases if prefix is not None and prefix.phases else (step,)
+        snapshots = prefix.snapshots if prefix is not None and prefix.phases else (None,)
+        for phase, snap in zip(phases, snapshots):
             ops.accumulate(phase, query, views, scores, scale)
             prefix_cache.snapshot(snap, scores, records)
-        if not prefix.phases:
-            ops.accumulate(step, query, views, scores, scale)
+    if prefix is not None:
         prefix_cache.relocate(prefix, views, scores)
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:

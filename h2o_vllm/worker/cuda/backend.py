@@ -3,20 +3,24 @@
 Runs in the worker process. Registered as ``AttentionBackendEnum.CUSTOM`` on CUDA (plugin.py)
 and selected with ``--attention-backend CUSTOM`` (``h2o_vllm.frontend.cuda_config`` picks it
 when H2O is on and no backend was named). With H2O off everything is the stock Triton
-backend's, except that forward writes K/V itself (same slots, same kernel).
+backend's, except that forward writes K/V itself (same slots, same kernel). With H2O on,
+attention and score accumulation run as one fused kernel of this project's
+(``H2OTritonImpl._fused_attention``; vLLM's ``unified_attention`` is not called).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
                                                     TritonAttentionMetadata,
                                                     TritonAttentionMetadataBuilder)
+from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from h2o_vllm.config import h2o_config
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend
+from h2o_vllm.worker.step import prepare_scores
 from h2o_vllm.worker.cuda.ops import TritonOps
 from h2o_vllm.worker.step import H2OStep
 
@@ -54,8 +58,8 @@ class H2OTritonMetadataBuilder(H2OBuilderMixin, TritonAttentionMetadataBuilder):
         self.ops = TritonOps(kv_cache_spec.head_size)
         if self.h2o is not None:
             how = "interpreted on the CPU" if torch.device(device).type == "cpu" else "compiled"
-            announce_backend("H2OTritonAttentionBackend", f"vLLM's Triton attention with H2O's "
-                             f"Triton score and compaction kernels, {how}")
+            announce_backend("H2OTritonAttentionBackend", f"H2O's fused Triton attention and "
+                             f"score kernels and its compaction kernel, {how}")
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -71,6 +75,40 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ops = TritonOps(self.head_size)
+        if self.h2o is not None:
+            self._check_fusable()
+
+    def _check_fusable(self) -> None:
+        """H2O's fused attention computes plain causal softmax attention over an unquantised
+        cache; anything else would give wrong outputs or wrong scores. The engine-args checks
+        (h2o_vllm.frontend.conflicts, cuda_config) refuse these before the model loads; this
+        is the backstop for a layer that slips through."""
+        unsupported = {
+            "ALiBi": self.alibi_slopes is not None,
+            f"sliding window {self.sliding_window}": tuple(self.sliding_window) != (-1, -1),
+            f"logit soft-capping {self.logits_soft_cap}": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            f"quantised KV cache {self.kv_cache_dtype}": is_quantized_kv_cache(self.kv_cache_dtype),
+            f"attention type {self.attn_type}": self.attn_type != AttentionType.DECODER,
+        }
+        found = [what for what, bad in unsupported.items() if bad]
+        if found:
+            raise NotImplementedError(f"H2O's fused attention does not support {', '.join(found)}"
+                                      f" (layer with {self.num_heads} heads): turn H2O off")
+
+    def _fused_attention(self, step, query, views, scores, attn_metadata, output,
+                         output_scale, output_block_scale, records) -> bool:
+        # Replaces unified_attention and the score pass: one kernel reads K and V once for
+        # both (h2o_vllm.kernels.attention; docs/cuda.md, "Fused attention").
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("H2O's fused attention does not quantise its output")
+        if attn_metadata.causal is not True or attn_metadata.mm_prefix_range_tensor is not None:
+            raise NotImplementedError("H2O's fused attention is causal only (no per-sequence "
+                                      "causality, no bidirectional multimodal prefixes)")
+        prepare_scores(step, scores, records)
+        self.ops.attend(step, query, views, output, scores, self.scale,
+                        attn_metadata.query_start_loc)
+        return True
 
     def fused_rope_kvcache_supported(self) -> bool:
         return False if self.h2o is not None else super().fused_rope_kvcache_supported()

@@ -1,4 +1,5 @@
-"""The CUDA path's ``DeviceOps``: Triton attention's cache layout and H2O's Triton kernels.
+"""The CUDA path's ``DeviceOps``: Triton attention's cache layout and H2O's Triton kernels,
+and ``attend``, the fused attention that replaces vLLM's attention and ``accumulate``.
 
 Runs in the worker process (on the CPU too, under ``TRITON_INTERPRET=1``). Triton attention's
 kv_cache is [num_blocks, num_kv_heads, block_size, 2 * head_size]; ``transpose(1, 2).split``
@@ -18,6 +19,13 @@ class TritonCacheViews(NamedTuple):
     values: torch.Tensor
 
 
+class FusedIndex(NamedTuple):
+    """Per step, for the fused attention (kernels.attention): where each decode row's logits
+    go in the scratch (-1: not a decode row), and the scratch's length in keys."""
+    decode_offsets: torch.Tensor  # [num_rows] int64, device
+    num_decode_keys: int
+
+
 class TritonOps:
     def __init__(self, head_size: int) -> None:
         self.head_size = head_size
@@ -25,11 +33,46 @@ class TritonOps:
     def cache_views(self, kv_cache: torch.Tensor) -> TritonCacheViews:
         return TritonCacheViews(*kv_cache.transpose(1, 2).split(self.head_size, dim=-1))
 
-    def step_index(self, step: H2OStep, block_size: int) -> None:
-        return None
+    def step_index(self, step: H2OStep, block_size: int) -> FusedIndex:
+        from h2o_vllm.kernels.attention import decode_logit_offsets  # torch only
+        offsets, num_keys = decode_logit_offsets(step.plan.query_lens, step.plan.kv_seq_lens)
+        return FusedIndex(offsets.to(step.block_table.device, non_blocking=True), num_keys)
+
+    def attend(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
+               out: torch.Tensor, scores: torch.Tensor, scale: float,
+               query_start_loc: torch.Tensor) -> None:
+        """The step's attention output into out and its scores into scores, from the same
+        pass over K and V (kernels.h2o_attention); then, for rows with several queries, one
+        more pass over their K with the log-sum-exp it returned. Replaces vLLM's
+        unified_attention, the zeroing of the new slots' scores and accumulate.
+
+        query, out: [>= num_tokens, num_q_heads, head_size]; query_start_loc: the batch's
+        (vLLM's metadata, device int32, [>= num_rows + 1])."""
+        from h2o_vllm import kernels
+        index = step.device_index
+        if index is None:  # a step made without kv_space_metadata (tests, benchmarks)
+            index = self.step_index(step, views.keys.shape[1])
+        num_rows = step.plan.query_lens.shape[0]
+        num_tokens = int(step.plan.query_lens.sum())
+        query = query[:num_tokens]
+        weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
+        lse = kernels.h2o_attention(
+            query, views.keys, views.values, out[:num_tokens], step.block_table,
+            query_start_loc[:num_rows + 1], step.kv_seq_lens, scale, scores=scores,
+            decode_offsets=index.decode_offsets, num_decode_keys=index.num_decode_keys,
+            query_weight=weights, score_scale=factors)
+        if step.prefill_rows is not None:
+            tokens, rows = step.prefill_tokens, step.prefill_rows
+            q, q_lse, w = ((query, lse, weights) if tokens is None
+                           else (query[tokens], lse[tokens], _take(weights, tokens)))
+            kernels.accumulate_prefill_scores_from_lse(
+                q, views.keys, step.block_table[rows], step.prefill_query_start_loc,
+                step.kv_seq_lens[rows], q_lse, scores, scale, max_kv_len=step.max_prefill_kv_len,
+                query_weight=w, score_scale=_take(factors, rows), fresh_new_slots=True)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                    scores: torch.Tensor, scale: float) -> None:
+        """The unfused path (after vLLM's attention): the tested reference of attend."""
         from h2o_vllm import kernels
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         if step.decode_rows is not None:

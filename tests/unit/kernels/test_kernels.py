@@ -101,26 +101,46 @@ def test_unit_weights_are_the_plain_kernels_bit_for_bit(decode):
 
 
 def keep_patterns(kv_len, target, gen):
-    """[NUM_KV_HEADS, target] ascending keep sets: random, the most recent (maximal overlap)."""
-    rand = torch.randperm(kv_len, generator=gen)[:target].sort().values
+    """[NUM_KV_HEADS, target] ascending keep sets: a prefix in place (not moved) then random,
+    the most recent (maximal overlap)."""
+    fixed = target // 4
+    rand = torch.cat([torch.arange(fixed),
+                      fixed + torch.randperm(kv_len - fixed, generator=gen)[:target - fixed].sort().values])
     recent = torch.arange(kv_len - target, kv_len)
     return torch.stack([rand, recent][:NUM_KV_HEADS])
 
 
+def triton_layout(key_cache, value_cache):
+    """The same K and V as views of one Triton-attention kv_cache [num_blocks, num_kv_heads,
+    block_size, 2 * head_size] (TritonOps.cache_views), where compact_rows moves both at once."""
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    kv_cache = torch.empty(num_blocks, num_kv_heads, block_size, 2 * head_size,
+                           dtype=key_cache.dtype, device=key_cache.device)
+    keys, values = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    keys.copy_(key_cache)
+    values.copy_(value_cache)
+    return keys, values
+
+
+@pytest.mark.parametrize("layout", ["separate", "triton"])
 @pytest.mark.parametrize("head_size,group,block_size,dtype", SHAPES[:4], ids=SHAPE_IDS[:4])
-def test_compact_rows_matches_torch(head_size, group, block_size, dtype):
+def test_compact_rows_matches_torch(head_size, group, block_size, dtype, layout):
     kv_lens = [100, 9, 70, 45]
     key_cache, value_cache, scores, block_table = make_cache(kv_lens, head_size, block_size,
                                                              dtype)
     key_cache = torch.nan_to_num(key_cache)  # so that torch.equal can compare whole caches
+    if layout == "triton":
+        key_cache, value_cache = triton_layout(key_cache, value_cache)
+        assert compact_kernels._k_and_v_in_one_row(key_cache, value_cache)
     gen = torch.Generator().manual_seed(2)
     rows, target = [0, 2, 3], 40  # row 1 is not selected and must stay untouched
     keep_idx = torch.stack([keep_patterns(kv_lens[r], target, gen) for r in rows]).to(DEVICE)
     before = [dense_row_keys(key_cache, block_table, r, kv_lens[r]) for r in rows]
     expected = [t.clone() for t in (key_cache, value_cache, scores)]
     twins.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
+    # Small tiles and column chunks: several of each, and ragged in the head's columns.
     compact_kernels.compact_rows(key_cache, value_cache, scores, block_table,
-                                 int32(rows), keep_idx, block_t=16)
+                                 int32(rows), keep_idx, block_t=16, d_chunk_max=16)
     for got, want in zip((key_cache, value_cache, scores), expected):
         assert torch.equal(got, want)
     for i, r in enumerate(rows):  # the kept keys really are where they should be

@@ -52,7 +52,11 @@ class Layer:
     """One layer's K, V and scores, equal on both devices at the start (random, and random
     stale scores, so that zeroing the new slots is checked)."""
 
-    def __init__(self, table, num_kv_heads, head_size, seed=0):
+    def __init__(self, table, num_kv_heads, head_size, seed=0, fused=False):
+        """fused: the Triton side runs the CUDA path's fused attention (TritonOps.attend),
+        which also writes ``self.out`` (``self.want_out``: dense attention's, computed before);
+        else its unfused accumulate, like the CPU side."""
+        self.fused, self.out, self.want_out = fused, None, None
         gen = torch.Generator().manual_seed(seed)
         shape = (int(table.max()) + 1, BLOCK, num_kv_heads, head_size)
         self.table, self.scale = table, head_size ** -0.5
@@ -75,9 +79,16 @@ class Layer:
             k_cache[s // BLOCK, s % BLOCK] = new_k.to(k_cache.device)
             v_cache[s // BLOCK, s % BLOCK] = new_v.to(k_cache.device)
         step = worker_step.make_step(plan, self.table, slots, BLOCK)
+        views = TritonCacheViews(self.keys, self.values)
+        if self.fused:  # the reference first: compaction moves K/V once attention is done
+            self.want_out = dense_attention(plan, query, self.keys, self.values, self.table)
+            step = dataclasses.replace(step, device_index=self.triton_ops.step_index(step, BLOCK))
+            starts = torch.cat([torch.zeros(1, dtype=torch.int64), plan.query_lens.cumsum(0)])
+            self.out = torch.full_like(query, float("nan"))
+            self.triton_ops.attend(step, query, views, self.out, self.scores, self.scale,
+                                   starts.to(torch.int32).to(DEVICE))
         mass = worker_step.update_scores_and_compact(
-            step, self.triton_ops, query, TritonCacheViews(self.keys, self.values), self.scores,
-            self.scale)
+            step, self.triton_ops, query, views, self.scores, self.scale, accumulated=self.fused)
         cpu_step = worker_step.make_step(plan, self.table.cpu(), slots.cpu(), BLOCK)
         cpu_step = dataclasses.replace(cpu_step, device_index=self.cpu_ops.step_index(cpu_step, BLOCK))
         cpu_mass = worker_step.update_scores_and_compact(cpu_step, self.cpu_ops, query.cpu(),
@@ -93,3 +104,23 @@ class Layer:
         """Scores [kv_len, num_kv_heads] of a row's live KV positions: (Triton's, the CPU's)."""
         blk, off = self.live(row, kv_len)
         return self.scores.cpu()[blk, :, off], self.cpu_scores[blk, :, off]
+
+
+def dense_attention(plan, query, keys, values, table):
+    """Causal softmax attention of each row's queries over its live keys (KV positions
+    [0, kv_seq_len), this step's included), fp64 torch; [num_tokens, num_q_heads, head_size]."""
+    out = []
+    for row in range(plan.query_lens.shape[0]):
+        q_len, kv_len = int(plan.query_lens[row]), int(plan.kv_seq_lens[row])
+        start = int(plan.query_starts[row])
+        pos = torch.arange(kv_len)
+        blk = table.cpu()[row].long()[pos // BLOCK]
+        k, v = (c.cpu()[blk, pos % BLOCK].double() for c in (keys, values))  # [kv, Hkv, D]
+        q = query.cpu()[start:start + q_len].double()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        logits = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+        visible = pos[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]
+        p = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", p, v))
+    return torch.cat(out)

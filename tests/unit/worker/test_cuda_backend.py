@@ -42,3 +42,25 @@ def test_builder_refuses_full_graphs_only_with_h2o():
     off = SimpleNamespace(additional_config={})
     assert H2OTritonMetadataBuilder.get_cudagraph_support(on, None) == AttentionCGSupport.NEVER
     assert H2OTritonMetadataBuilder.get_cudagraph_support(off, None) == AttentionCGSupport.ALWAYS
+
+
+def test_impl_refuses_what_the_fused_attention_does_not_compute():
+    """A layer H2O's fused attention cannot run (the engine-args checks refuse these first)
+    fails loudly at construction instead of giving wrong outputs or scores."""
+    import pytest
+    from vllm.v1.attention.backend import AttentionType
+
+    from h2o_vllm.worker.cuda.backend import H2OTritonImpl
+    plain = dict(alibi_slopes=None, sliding_window=(-1, -1), logits_soft_cap=0, sinks=None,
+                 kv_cache_dtype="auto", attn_type=AttentionType.DECODER, num_heads=4)
+    H2OTritonImpl._check_fusable(SimpleNamespace(**plain))
+    H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": "bfloat16",
+                                                    "logits_soft_cap": None}))
+    for change, words in ((dict(sliding_window=(127, 0)), "sliding window"),
+                          (dict(alibi_slopes=torch.ones(4)), "ALiBi"),
+                          (dict(logits_soft_cap=30.0), "soft-capping"),
+                          (dict(sinks=torch.zeros(4)), "sinks"),
+                          (dict(kv_cache_dtype="fp8"), "quantised KV cache"),
+                          (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type")):
+        with pytest.raises(NotImplementedError, match=words):
+            H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, **change}))

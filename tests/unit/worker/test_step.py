@@ -101,15 +101,18 @@ BUDGETS = {"paper": (PAPER, PAPER),
 
 
 @pytest.mark.parametrize("budgets", list(BUDGETS))
-@pytest.mark.parametrize("group", [1, 3])
-def test_one_layer_steps_agree_across_devices(group, budgets):
+@pytest.mark.parametrize("group,fused", [(1, False), (3, False), (1, True), (3, True)],
+                         ids=["g1", "g3", "g1-fused", "g3-fused"])
+def test_one_layer_steps_agree_across_devices(group, fused, budgets):
     """A tiny layer over a whole schedule (chunked prefill beside a prompt, mixed prefill and
     decode steps, compactions at the prompt's end and every interval): write K/V at the KV
     slots, then update_scores_and_compact with the Triton kernels and with the CPU's torch
-    ops; live K, V and scores must agree after every step, and the mass must be accounted."""
+    ops; live K, V and scores must agree after every step, and the mass must be accounted.
+    fused: the Triton side is the CUDA path's fused attention (TritonOps.attend, then
+    update_scores_and_compact(accumulated=True)), whose output must be dense attention's."""
     torch.manual_seed(0)
     num_kv_heads, head_size, prompts = 2, 16, [20, 13]
-    layer = Layer(block_table(2, 2, seed=1), num_kv_heads, head_size)
+    layer = Layer(block_table(2, 2, seed=1), num_kv_heads, head_size, fused=fused)
     # (tokens already computed, tokens this step) per row: A's prompt at once, B's in chunks.
     schedule = [[(0, 20), (0, 8)], [(20, 1), (8, 5)]] + [[(21 + i, 1), (13 + i, 1)] for i in range(7)]
     compacted = 0
@@ -122,6 +125,9 @@ def test_one_layer_steps_agree_across_devices(group, budgets):
         new_k = torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE)
         new_v = torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE)
         mass, cpu_mass = layer.step(plan, query, new_k, new_v)
+        if fused:
+            torch.testing.assert_close(layer.out[:num_tokens].cpu().double(), layer.want_out,
+                                       rtol=1e-5, atol=1e-5)
         compacted += int(plan.due.sum())
         for row in range(2):
             blk, off = layer.live(row, int(plan.kv_lens_after[row]))
