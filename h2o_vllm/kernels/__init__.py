@@ -16,7 +16,8 @@ on CPU.
 
 The score kernels (``attention``, ``decode_scores``, ``prefill_scores``): every (row, KV head,
 KV position) of ``scores`` is written by exactly one program, so no atomics and the result is
-deterministic; this relies on rows not sharing blocks (prefix caching is off while H2O is on).
+deterministic; this relies on rows not sharing blocks (a prefix-cache hit is copied into the
+row's own blocks, docs/prefix-caching.md).
 The unfused kernels recompute probabilities from Q and K; the fused attention keeps decode
 rows' logits and every row's log-sum-exp instead (docs/cuda.md, "Fused attention"). Math is
 fp32 whatever the cache dtype: the score kernels upcast Q and K on load (see
