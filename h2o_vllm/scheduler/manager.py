@@ -49,6 +49,7 @@ class H2OManager(FullAttentionManager):
         self.step_score_inits: list[tuple[int, int]] = []  # (copy block, record slot or -1)
         self.step_written: list[Record] = []   # records this step writes
         self.step_fresh: set[str] = set()      # requests whose fresh blocks came this step
+        self.step_cached: set[int] = set()     # blocks first cached while scheduling this step
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -163,10 +164,15 @@ class H2OManager(FullAttentionManager):
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         # Only blocks of the prompt, and only before the first compaction: past it the row is
         # in KV space, where a block no longer holds the tokens its hash names.
-        if self.num_evicted.get(request.request_id, 0):
+        rid = request.request_id
+        if self.num_evicted.get(rid, 0):
             return
-        return super().cache_blocks(request, min(num_tokens, request.num_prompt_tokens),
-                                    *args, **kwargs)
+        before = self.num_cached_block.get(rid, 0)
+        super().cache_blocks(request, min(num_tokens, request.num_prompt_tokens), *args, **kwargs)
+        # Hashed now, computed by the step being scheduled: not a hit before that step has run
+        # (vLLM copies a hit before the step, from blocks that must already hold their K/V).
+        new = self.req_to_blocks.get(rid, [])[before:self.num_cached_block.get(rid, 0)]
+        self.step_cached.update(block.block_id for block in new)
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence, *args,
                                   **kwargs) -> None:

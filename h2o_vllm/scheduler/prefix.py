@@ -25,13 +25,18 @@ def record_key(request, num_blocks: int, decay: float, block_size: int, hash_blo
     return request.block_hashes[num_blocks * (block_size // hash_block_size) - 1], decay
 
 
-def cut_hit(manager: H2OManager, request, num_hit_tokens: int) -> int:
-    """The tokens of vLLM's hit (``num_hit_tokens``, whole blocks) that H2O can use exactly;
-    remembers the record the hit resumes from and how long the match was."""
+def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) -> int:
+    """The tokens of vLLM's hit (``num_hit_tokens``, whole blocks ``hit_blocks``) that H2O can
+    use exactly; remembers the record the hit resumes from and how long the match was.
+
+    A hit stops before the first block another request is computing in this very step (vLLM
+    lets a request hit those; H2O copies a hit before the step, so they would be copied before
+    they hold anything)."""
     rid, block_size = request.request_id, manager.block_size
-    matched = num_hit_tokens // block_size
-    manager.longest_match[rid] = matched
+    manager.longest_match[rid] = num_hit_tokens // block_size
     manager.hit_records[rid] = None
+    matched = next((j for j, block in enumerate(hit_blocks) if block.block_id in manager.step_cached),
+                   num_hit_tokens // block_size)
     budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
     if budget.obs_window is not None:
         # Queries before prompt_len - obs_window add nothing: such a prefix scores all zeros.
@@ -100,6 +105,7 @@ def prefix_orders(managers: Sequence[H2OManager], scheduler_output,
             if fresh is not None and rid in manager.step_fresh:
                 orders.fresh_blocks[rid] = [b.block_id for b in fresh]
         manager.step_fresh.clear()
+        manager.step_cached.clear()
     return orders
 
 

@@ -96,7 +96,8 @@ def _get_computed_blocks_wrapper(original):
         managers = _h2o_managers(self)
         if not managers or not self.enable_caching:
             return blocks, num_tokens, boundary
-        cut = min(prefix.cut_hit(m, request, num_tokens) for m in managers)
+        group_blocks = dict(zip(self.coordinator.single_type_managers, blocks.blocks))
+        cut = min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
         if cut == num_tokens:
             return blocks, num_tokens, boundary
         return (self.create_kv_cache_blocks(tuple(g[:cut // m.block_size] for g, m in
