@@ -27,7 +27,6 @@ import asyncio
 import datetime
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import requests
 
-from h2o_vllm.tools import soak
+from h2o_vllm.tools import server, soak
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,12 +69,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pool(args, side: str) -> tuple[int, int]:
     """(block size, blocks) of a side: the same KV token slots on both sides."""
     if side == "h2o":
@@ -84,43 +77,19 @@ def pool(args, side: str) -> tuple[int, int]:
 
 
 def start_server(args, model: str, log_path: Path, side: str = "h2o") -> tuple[subprocess.Popen, str]:
-    port = free_port()
     block_size, num_blocks = pool(args, side)
-    cmd = [str(Path(sys.executable).with_name("h2o-vllm")), "serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--seed", str(args.seed),
-           "--max-model-len", str(args.max_model_len), "--block-size", str(block_size),
-           "--num-gpu-blocks-override", str(num_blocks)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    flags = ["--dtype", "float32", "--enforce-eager", "--seed", str(args.seed),
+             "--max-model-len", str(args.max_model_len), "--block-size", str(block_size),
+             "--num-gpu-blocks-override", str(num_blocks)]
+    env = {}
     if side == "h2o":
-        cmd += args.server_args.split()
+        flags += args.server_args.split()
     else:
         env["VLLM_PLUGINS"] = soak.STOCK_PLUGINS    # stock vLLM: our plugin is not loaded anywhere
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; log: {log_path}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise SystemExit(f"server not ready after 300 s; log: {log_path}")
+    return server.start_server(model, flags, log_path, env)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+stop_server = server.stop_server
 
 
 def idle_snapshot(url: str, pgid: int, gauges) -> dict:

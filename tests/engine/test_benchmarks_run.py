@@ -1,7 +1,8 @@
 """The benchmark scripts run end to end at a tiny size and write their JSON and PNG.
 
 Not a measurement: benchmarks/README.md has the real commands. Each config still starts a
-fresh engine in a subprocess, as the real runs do (~20 s each on 2 cores).
+fresh engine in a subprocess, as the real runs do (~20 s each on 2 cores); prefix_serving.py
+starts a fresh `h2o-vllm serve` per side (~30-50 s each).
 """
 import importlib.util
 import json
@@ -50,3 +51,38 @@ def test_quality_benchmark_runs(tiny_llama_dir, tmp_path):
     for entry in saved["policies"].values():
         assert entry["ppl"]["gpl3"]["tokens"] == 8
         assert 0.0 <= entry["rouge_l"] <= 1.0 and 0.0 <= entry["passkey_accuracy"] <= 1.0
+
+
+def test_prefix_serving_benchmark_runs(tiny_llama_dir, tmp_path):
+    """Two of the three sides against real servers (the third differs only in its flags, checked
+    here without a server): vLLM's bench serve completes every request, the hit rate comes from
+    the server's counters, H2O's score records from its gauge and stay within their bound."""
+    module = _load("prefix_serving")
+    args = module.parse_args(["--tiny", "--num-blocks", "20"])
+    args.max_model_len = 192
+    flags = {side: module.side_flags(args, side) for side in module.SIDES}
+    assert flags["stock-pc"][1]["VLLM_PLUGINS"] == module.soak.STOCK_PLUGINS
+    assert "--enable-prefix-caching" in flags["stock-pc"][0]
+    assert flags["h2o-nopc"][0][-3:] == ["--kv-eviction", "h2o", "--no-enable-prefix-caching"]
+    assert flags["h2o-pc"][0][-3:] == ["--kv-eviction", "h2o", "--enable-prefix-caching"]
+    assert len({tuple(f[:11]) for f, _ in flags.values()}) == 1     # same pool, dtype, seed, length
+
+    out = tmp_path / "prefix"
+    report = module.main(["--model", str(tiny_llama_dir), "--tiny", "--sides", "stock-pc,h2o-pc",
+                          "--out", str(out)])
+    saved = json.loads((out / "prefix_serving.json").read_text())
+    assert (out / "prefix_serving.png").stat().st_size > 0
+    assert (out / "prefix_serving.md").read_text().count("\n") == 4
+    stock, h2o = saved["sides"]["stock-pc"], saved["sides"]["h2o-pc"]
+    for side in (stock, h2o):
+        assert side["completed"] == args.num_prompts and side["failed"] == 0 and side["idle_at_end"]
+        assert side["total_output_tokens"] == args.num_prompts * args.output_len
+        assert side["cache_config"]["num_gpu_blocks"] == str(report["num_blocks"])
+        assert side["prefix_cache_queries"] == side["prompt_tokens"] == stock["prompt_tokens"]
+        assert side["mean_ttft_ms"] > 0 and side["output_throughput"] > 0
+    assert 0 < h2o["prefix_cache_hits"] <= stock["prefix_cache_hits"]
+    assert stock["score_record_tokens"] is None and h2o["score_record_tokens"] > 0
+    shape = saved["model_shape"]
+    assert h2o["score_record_bytes"] == h2o["score_record_tokens"] * 4 * shape["num_layers"] * shape["num_kv_heads"]
+    # The record pool holds at most one fp32 per KV slot per (layer, KV head).
+    assert 0 < h2o["score_record_fraction_of_kv"] <= 2 / (shape["head_dim"] * 4)

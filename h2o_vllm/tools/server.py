@@ -1,0 +1,72 @@
+"""An `h2o-vllm serve` subprocess for the benchmark scripts (client side, never the runtime).
+
+``start_server`` launches ``h2o-vllm serve MODEL --host 127.0.0.1 --port <free port> FLAGS...``
+in its own process group (API server, engine core and worker all in it), its output in a log
+file, and waits for ``/health``; ``stop_server`` ends the whole group (SIGTERM, then SIGKILL
+after 30 s). Used by ``benchmarks/soak.py`` (and through it ``keepalive_race.py``) and
+``benchmarks/prefix_serving.py``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import requests
+
+#: Environment every benchmark server gets on top of the caller's: a KV profile cap (the scripts
+#: fix their pools with --num-gpu-blocks-override) and unbuffered logs.
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def h2o_vllm_command() -> str:
+    """The ``h2o-vllm`` console script of this interpreter's environment."""
+    return str(Path(sys.executable).with_name("h2o-vllm"))
+
+
+def start_server(model: str, flags: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
+                 timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+    """Start ``h2o-vllm serve model`` on a free local port with ``flags``, environment
+    ``os.environ`` + ``SERVER_ENV`` + ``env``, output into ``log_path``; return the process
+    (leader of its group) and its base URL once ``/health`` answers 200. Exits (SystemExit,
+    naming the log) if the server dies or is not ready within ``timeout_s``."""
+    port = free_port()
+    cmd = [h2o_vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **SERVER_ENV, **(env or {})}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; log: {log_path}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise SystemExit(f"server not ready after {timeout_s:g} s; log: {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group; SIGKILL if its leader has not exited in 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
