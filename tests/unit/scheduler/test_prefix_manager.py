@@ -385,17 +385,17 @@ def test_record_writes_appear_in_the_step_crossing_each_boundary():
     c = e.add(_request("c", C_TOKENS))
     _, n = e.vllm_hit(c)
     assert n == 12  # the shared 3 blocks, no record at 3 blocks: cut to 0
-    orders = [e.schedule({"c": 10})]
+    orders = [e.schedule({"c": 12})]  # [0, 12): ends exactly at the first boundary
     # c plans its longest match (3 blocks) and its last boundary (7 blocks).
     planned = list(e.m.pending_records["c"])  # commit_records prunes the list in place
     assert [r.num_blocks for r in planned] == [3, 7]
     assert all(e.m.records.ready(r.key) is None for r in planned)
     e.finish_step()
-    for chunk in (8, 2, 7, 3):  # ranges [10, 18) [18, 20) [20, 27) [27, 30)
+    for chunk in (6, 2, 7, 3):  # [12, 18) starts at it; [18, 20) [20, 27) [27, 30) crosses 28
         orders.append(e.schedule({"c": chunk}))
         e.finish_step()
     writes = [[(rid, boundary, slots) for rid, boundary, slots in o.record_writes] for o in orders]
-    assert writes == [[], [("c", 12, planned[0].slots)], [], [], [("c", 28, planned[1].slots)]]
+    assert writes == [[("c", 12, planned[0].slots)], [], [], [], [("c", 28, planned[1].slots)]]
     assert e.m.pending_records["c"] == []
 
 

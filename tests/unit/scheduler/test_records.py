@@ -121,7 +121,7 @@ def test_stale_record_objects_do_nothing():
 
 
 _ops = st.lists(st.tuples(st.sampled_from(["reserve", "commit", "drop", "ready"]),
-                          st.integers(0, 7), st.integers(0, 5)), max_size=60)
+                          st.integers(0, 4), st.integers(0, 4)), min_size=20, max_size=80)
 
 
 @settings(max_examples=200, deadline=None)
