@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from h2o_vllm.policy import cadence_start
 from h2o_vllm.prefix import PrefixOrders
 from h2o_vllm.scheduler.manager import H2OManager
 
@@ -38,6 +39,10 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     matched = next((j for j, block in enumerate(hit_blocks) if block.block_id in manager.step_cached),
                    num_hit_tokens // block_size)
     budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
+    # A request recomputed after preemption may match past its own first compaction (another
+    # prompt ran into its outputs); the block counts assume no hit reaches that far.
+    first_compaction = cadence_start(request.num_prompt_tokens, budget.tokens, budget.interval)
+    matched = min(matched, (first_compaction - 1) // block_size)
     if budget.obs_window is not None:
         # Queries before prompt_len - obs_window add nothing: such a prefix scores all zeros.
         first_scoring = max(0, request.num_prompt_tokens - budget.obs_window)

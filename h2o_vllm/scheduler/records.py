@@ -15,8 +15,8 @@ one fp32 per KV token slot per (layer, KV head), i.e. ``2 / (head_size * kv_dtyp
 the KV memory (0.8% for head 128 in bf16). A hit is cut back to the longest boundary that has a
 record; a request records the boundaries it could not hit (its longest match, its prompt's last
 block boundary), so the next request with the same prefix hits exactly. The pool is shared LRU:
-a record used or written moves to the back, and records are evicted from the front when a new
-one needs slots.
+a record used or written moves to the back; when a new one needs slots, records that never
+served a hit are evicted first, then the others, each from the front.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class Record:
     num_blocks: int         # boundary, in KV blocks
     slots: list[int]        # record-pool slot of each KV block of the prefix, in order
     ready: bool = False     # written by a finished step: hits may use it
+    hits: int = 0           # hits it has served
     writer: str | None = field(default=None)  # request that writes it, while pending
 
 
@@ -58,13 +59,14 @@ class ScoreRecords:
         record = self._index.get(key)
         if record is None or not record.ready:
             return None
+        record.hits += 1
         self._index.move_to_end(key)
         return record
 
     def reserve(self, key: Hashable, num_blocks: int, writer: str) -> Record | None:
-        """Slots for a new record of ``key`` that ``writer`` will write; evicts the least
-        recently used written records to make room. None if the pool cannot hold it (then
-        nothing is evicted)."""
+        """Slots for a new record of ``key`` that ``writer`` will write; evicts written records
+        to make room, those that never served a hit first, each kind least recently used
+        first. None if the pool cannot hold it (then nothing is evicted)."""
         assert key not in self._index
         if num_blocks <= 0:
             return None
@@ -72,8 +74,11 @@ class ScoreRecords:
         if len(self._free) + evictable < num_blocks:
             return None
         while len(self._free) < num_blocks:
-            oldest = next(k for k, r in self._index.items() if r.ready)
-            self._release(oldest)
+            # A prompt's own boundary is recorded for a repeat that may never come; a shared
+            # prefix that served hits is likely to serve more.
+            victim = next((k for k, r in self._index.items() if r.ready and not r.hits),
+                          None) or next(k for k, r in self._index.items() if r.ready)
+            self._release(victim)
         slots = [self._free.pop() for _ in range(num_blocks)]
         record = self._index[key] = Record(key, num_blocks, slots, writer=writer)
         return record

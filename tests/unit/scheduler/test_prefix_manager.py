@@ -85,7 +85,7 @@ class Engine:
                 self.waiting.discard(rid)
                 new.append(SimpleNamespace(req_id=rid))
                 blocks, num_hit = self.vllm_hit(request)
-                cut = cut_hit(m, request, num_hit)
+                cut = cut_hit(m, request, num_hit, blocks)
                 hit = blocks[:cut // BLOCK]
                 self.hits[rid] = hit
                 request.num_computed_tokens = cut
@@ -482,3 +482,46 @@ def test_resumed_request_plans_again():
     orders = prefix_orders([e.m], output, e.requests)
     assert [(rid, boundary) for rid, boundary, _ in orders.record_writes] == [("c", 28)]
     assert len(orders.score_inits) == 3
+
+
+def test_no_hit_on_blocks_another_request_computes_in_the_same_step():
+    """vLLM lets a request hit blocks cached earlier in the same schedule; H2O copies a hit
+    before the step, when those blocks hold nothing yet: the hit stops before them, even with
+    a record for the boundary (it outlived the blocks it was written with)."""
+    e = Engine()
+    prompt = list(range(300, 321))  # 21 tokens: records boundary 20 (5 blocks)
+    x = _request("x", prompt)
+    e.run_prompt(x)
+    e.free("x")
+    assert e.m.records.ready(e.key(x, 5)) is not None
+    for block in e.pool.get_new_blocks(e.pool.get_num_free_blocks()):  # evicts x's blocks
+        e.pool.free_blocks([block])
+    a, c = e.add(_request("a", prompt)), e.add(_request("c", prompt))
+    e.schedule({"a": None, "c": None})
+    assert e.hits["a"] == []  # nothing cached: a recomputes
+    assert e.hits["c"] == [], "c hit the blocks a computes in this very step"
+    e.finish_step()
+
+
+def test_recomputed_request_never_hits_past_its_first_compaction():
+    """A preempted request comes back as prompt + outputs; another prompt that ran into those
+    outputs may have recorded a boundary there. The hit stops before the first compaction
+    point, where block counts start to assume compaction."""
+    from h2o_vllm.policy import cadence_start
+    e = Engine()  # block 4, budget 4 + 4, interval 4
+    prompt, outputs = list(range(100, 120)), list(range(900, 912))
+    a = _request("a", prompt)
+    e.run_prompt(a)  # compacts at 20
+    for token in outputs:
+        a.append_output_token_ids(token)
+        e.schedule({"a": 1})
+        e.finish_step()
+    b = _request("b", prompt + outputs)
+    e.run_prompt(b)  # records boundary 28, past a's first compaction
+    e.free("b")
+    e.pool.free_blocks(reversed(e.m.pop_blocks_for_free("a")))  # a preempted
+    a.num_computed_tokens = 0
+    blocks, n = e.vllm_hit(a)
+    assert n == 28  # vLLM would give the whole match
+    cut = cut_hit(e.m, a, n, blocks)
+    assert 0 < cut < cadence_start(20, 8, 4) and cut % BLOCK == 0

@@ -1,7 +1,8 @@
 """ScoreRecords: the scheduler's LRU pool of score-record slots (scheduler/records.py).
 
-Pure bookkeeping, no vLLM: slots handed out once, only written (ready) records evicted and
-least recently used first, pending ones never, nothing evicted when a reservation cannot fit.
+Pure bookkeeping, no vLLM: slots handed out once, only written (ready) records evicted, those
+that never served a hit first, each least recently used first, pending ones never, nothing
+evicted when a reservation cannot fit.
 """
 from collections import OrderedDict
 
@@ -70,13 +71,30 @@ def test_ready_refreshes_lru_order():
     assert pool.ready("a") is a  # a used: b is now the least recently used
     pool.reserve("d", 2, "w")
     assert pool.has("a") and not pool.has("b") and pool.has("c")
-    # Order now c, a, d (pending). Using c makes a the oldest; a commit counts as a use too.
+    # Order now c, a, d (pending); c and a have served hits, d none once committed.
     pool.ready("c")
     pool.commit(pool._index["d"])  # LRU order: a, c, d
-    pool.reserve("e", 2, "w")
-    assert not pool.has("a") and pool.has("c") and pool.has("d")
+    pool.reserve("e", 2, "w")      # d never served a hit: it goes before older a and c
+    assert pool.has("a") and pool.has("c") and not pool.has("d")
+    pool.commit(pool._index["e"])
+    pool.ready("e")                # every record has served a hit: least recently used first
     pool.reserve("f", 2, "w")
-    assert not pool.has("c") and pool.has("d")
+    assert not pool.has("a") and pool.has("c") and pool.has("e")
+    pool.reserve("g", 2, "w")
+    assert not pool.has("c") and pool.has("e")
+
+
+def test_records_that_never_served_a_hit_are_evicted_first():
+    """A prompt's own boundary (recorded for a repeat that may not come) goes before a shared
+    prefix that has served hits, however recently it was written."""
+    pool = ScoreRecords(4)
+    shared = pool.reserve("shared", 2, "w")
+    pool.commit(shared)
+    assert pool.ready("shared") is shared and shared.hits == 1
+    own = pool.reserve("own", 2, "w")
+    pool.commit(own)            # newer than shared, never hit
+    pool.reserve("next", 2, "w")
+    assert pool.has("shared") and not pool.has("own")
 
 
 def test_eviction_takes_as_many_ready_records_as_needed():
@@ -131,7 +149,7 @@ def test_random_ops_never_double_assign_and_match_a_model(num_slots, ops):
     in the same LRU order, pending ones are never evicted, slots are never shared, and
     in_use + free == num_slots."""
     pool = ScoreRecords(num_slots)
-    model: OrderedDict[int, list] = OrderedDict()  # key -> [num_blocks, ready]
+    model: OrderedDict[int, list] = OrderedDict()  # key -> [num_blocks, ready, hits]
     handles = {}
     for op, key, size in ops:
         if op == "reserve":
@@ -144,9 +162,11 @@ def test_random_ops_never_double_assign_and_match_a_model(num_slots, ops):
                 assert got is None
             else:
                 while free < size:
-                    oldest = next(k for k, v in model.items() if v[1])
-                    free += model.pop(oldest)[0]
-                model[key] = [size, False]
+                    victim = next((k for k, v in model.items() if v[1] and not v[2]), None)
+                    if victim is None:
+                        victim = next(k for k, v in model.items() if v[1])
+                    free += model.pop(victim)[0]
+                model[key] = [size, False, 0]
                 handles[key] = got
                 assert len(got.slots) == size
         elif op == "commit" and key in handles:
@@ -161,6 +181,7 @@ def test_random_ops_never_double_assign_and_match_a_model(num_slots, ops):
             got = pool.ready(key)
             assert (got is not None) == (key in model and model[key][1])
             if got is not None:
+                model[key][2] += 1
                 model.move_to_end(key)
         slots = _all_slots(pool)
         assert len(slots) == len(set(slots))                      # never double-assigned
