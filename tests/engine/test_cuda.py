@@ -170,3 +170,23 @@ def test_switch_refuses_what_it_cannot_run_before_loading(tiny_llama_dir, kwargs
             pass
     assert words in str(error.value)
     assert time.monotonic() - start < 30, "refused only after the model loaded"
+
+
+@pytest.mark.parametrize("budget", ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1"])
+def test_cuda_prefix_cache_hits_match_the_oracle(tiny_llama_dir, hf_model, budget):
+    """The CUDA path with prefix caching on: requests sharing a 40-token prefix, one after the
+    other, hit it (the hit copied by vLLM, its scores from a record) and still generate the
+    oracle's tokens, through the fused attention and the record-writing unfused steps."""
+    config = {**BUDGETS, **MODES}[budget]
+    shared = random_prompts([40], seed=7)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 20], seed=8)]
+    params = greedy(MAX_TOKENS, extra_args=extra_args(config))
+    expected = oracle(hf_model, config, BLOCK).generate(prompts, MAX_TOKENS)
+    hits = []
+    with _engine(tiny_llama_dir, additional_config={"h2o": ENGINE_H2O},
+                 enable_prefix_caching=True) as llm:
+        for prompt, want in zip(prompts, expected):
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            assert list(out.outputs[0].token_ids) == want
+            hits.append(out.num_cached_tokens or 0)
+    assert max(hits) >= 32, hits  # the control: later requests did hit the shared prefix

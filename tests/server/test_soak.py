@@ -1,6 +1,7 @@
 """Soak against a real `h2o-vllm serve` (tiny Llama, a KV pool far too small for the load, so
 requests queue): many concurrent streaming clients with mixed lengths and budgets and random
-disconnects, once with H2O on and once against stock vLLM (plugin not loaded, same requests
+disconnects, shared prefixes (prefix caching on, as vLLM's default), once with H2O on and once
+against stock vLLM (plugin not loaded, same requests
 without ``h2o_*`` keys). Afterwards every KV block is free again (read from the engine's own
 /metrics), no request failed (nothing is retried; a failure prints its class and what the
 client saw), memory did not grow past a bound, and the server still answers. The long version
@@ -137,6 +138,9 @@ def test_soak_frees_every_block_fails_nothing_and_does_not_grow(server):
             assert end[name] > start[name], (name, start[name], end[name])
         else:
             assert name not in end, f"{name} served: the stock server loaded the plugin"
+    # Prefix caching is on (vLLM's default, kept with H2O) and the shared prefixes hit it.
+    hits = end["vllm:prefix_cache_hits_total"] - start["vllm:prefix_cache_hits_total"]
+    assert hits > 0, "no prefix-cache hit: the shared prefixes never met the cache"
     # Every completed request's tokens reached the engine's own count.
     generated = end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"]
     assert generated >= summary["tokens_ok"]

@@ -64,12 +64,17 @@ class SoakConfig:
     seed: int = 0
     budgets: list = field(default_factory=lambda: list(BUDGETS))
     h2o: bool = True                # False: the stock side, no h2o_* key in any request
+    # Prefix caching under load: this share of prompts starts with one of a few seeded shared
+    # prefixes (a system prompt), so hits, score records and their eviction meet aborts.
+    shared_prefix_share: float = 0.4
+    shared_prefix_lens: tuple[int, ...] = (40, 100, 200)
 
 
 def plan(cfg: SoakConfig) -> Iterator[Job]:
     """Seeded, mixed requests, made as they are taken; prompt + max_tokens always fits
     ``max_model_len``."""
     rng = random.Random(cfg.seed)
+    prefixes = [[rng.choice(TOKEN_IDS) for _ in range(n)] for n in cfg.shared_prefix_lens]
     for i in range(cfg.requests):
         # Lengths: mostly uniform, some at block boundaries (16/32 multiples) and the extremes.
         r = rng.random()
@@ -94,5 +99,7 @@ def plan(cfg: SoakConfig) -> Iterator[Job]:
                 action = FULL
         if not cfg.h2o:     # after every draw: both sides get the same sequence of requests
             xargs, extra = None, (STOCK_BAD if action == BAD else None)
-        yield Job(i, [rng.choice(TOKEN_IDS) for _ in range(prompt_len)], max_tokens, xargs, action,
+        prefix = rng.choice(prefixes) if prefixes and rng.random() < cfg.shared_prefix_share else []
+        prompt = prefix[:prompt_len] + [rng.choice(TOKEN_IDS) for _ in range(prompt_len - len(prefix))]
+        yield Job(i, prompt, max_tokens, xargs, action,
                   after=rng.randint(1, 8), delay_s=rng.uniform(0.0, 2.0), extra=extra)
