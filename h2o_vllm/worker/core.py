@@ -16,8 +16,8 @@ from vllm.config import get_current_vllm_config
 
 from h2o_vllm.config import h2o_config
 from h2o_vllm.worker import plan as step_plan
-from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, fused_is_split, kv_space_metadata,
-                                  update_scores_and_compact)
+from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
+                                  scoring_step, update_scores_and_compact)
 
 _announced: set[str] = set()
 
@@ -85,26 +85,27 @@ class H2OImplMixin:
         scores = self._scores_like(views)
         if step.prefix is not None and self.records is None:
             self.records = torch.zeros_like(scores)
-        # A step that writes score records accumulates in phases (worker/prefix.py), which
-        # the fused kernel's single pass cannot stop at; it runs unfused.
-        fused = (not fused_is_split(step)
-                 and self._fused_attention(step, query, views, scores, attn_metadata, output,
-                                           output_scale, output_block_scale, self.records))
-        if not fused:
+        if self.fuses_scores:
+            prepare_scores(step, scores, self.records)  # what the fused pass adds to
+            self._fused_attention(scoring_step(step), query, views, scores, attn_metadata,
+                                  output, output_scale, output_block_scale)
+        else:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
         mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
-                                         self.records, accumulated=fused)
+                                         self.records, accumulated=self.fuses_scores)
         if step.due:
             self._mass.push(mass)
         return output
 
+    #: Whether ``_fused_attention`` replaces vLLM's attention and the score pass (the CUDA
+    #: path, worker/cuda/backend.py); else vLLM's attention runs, then the device's accumulate.
+    fuses_scores = False
+
     def _fused_attention(self, step: H2OStep, query, views, scores, attn_metadata, output,
-                         output_scale, output_block_scale, records) -> bool:
-        """A device whose attention kernel also adds this step's scores runs it here and
-        returns True (the CUDA path: worker/cuda/backend.py), after ``prepare_scores``; by
-        default vLLM's attention runs, then the device's accumulate."""
-        return False
+                         output_scale, output_block_scale) -> None:
+        """Attention output and this step's scores in one pass (``step``: what to score)."""
+        raise NotImplementedError
 
     def _scores_like(self, views) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, _ = views.keys.shape

@@ -6,11 +6,13 @@ bottom, called by ``worker.step.update_scores_and_compact``):
 
 1. Hit copies (vLLM copied their K/V before the step) get their scores from the hit's record,
    or zeros.
-2. A row that passes a record boundary ``H`` in this step has its scores accumulated in
-   phases split at ``H``; after the phase that ends at ``H`` its scores of KV positions
-   ``[0, H)`` are exactly ``s_H`` (the queries before ``H`` only) and are copied to the record.
+2. A row that passes a record boundary ``H`` in this step is left out of the step's own
+   score pass (its queries weigh 0 there: ``masked_plan``) and scored in phases split at ``H``
+   (``phase_plans``); after the phase that ends at ``H`` its scores of KV positions ``[0, H)``
+   are exactly ``s_H`` (the queries before ``H`` only) and are copied to the record.
    Splitting changes nothing else: a causal query's probabilities do not depend on where the
-   step ends, and a segment's decay is its own (docs/score-modes.md, "Definitions").
+   step ends, and a segment's decay is its own (docs/score-modes.md, "Definitions"). The
+   step's pass stays whole, so the CUDA path's fused attention serves every step.
 3. A row whose first compaction comes with fresh blocks copies its first KV blocks into them
    and compacts there, so the blocks the prefix cache indexes keep their contents.
 
@@ -52,12 +54,13 @@ def prefix_plan(orders: Any, req_ids: Sequence[str]) -> PrefixPlan | None:
 
 
 def phase_plans(plan) -> list[tuple[Any, list[tuple[int, int, Sequence[int]]]]]:
-    """The step's score accumulation split at its record boundaries: [(sub-plan, snapshots
-    after it: (row, boundary, record slots))], or [] when no row records in this step.
+    """The score accumulation of the rows that record in this step, split at their record
+    boundaries: [(sub-plan, snapshots after it: (row, boundary, record slots))], or [] when
+    no row records. Each recording row runs its segments in order, one per phase; the other
+    rows are in none (``masked_plan`` scores them, in one pass with the step's attention).
 
-    Rows that record run their segments in order, one per phase; every other row runs whole in
-    the first phase. A recording row's queries all weigh 1 (a request with an observation
-    window records nothing), so a segment's weights are its own decay powers alone.
+    A recording row's queries all weigh 1 (a request with an observation window records
+    nothing), so a segment's weights are its own decay powers alone.
     """
     cuts = plan.prefix.cuts if plan.prefix is not None else {}
     if not cuts:
@@ -66,20 +69,37 @@ def phase_plans(plan) -> list[tuple[Any, list[tuple[int, int, Sequence[int]]]]]:
     num_phases = 1 + max(len(c) for c in cuts.values())
     phases = []
     for p in range(num_phases):
-        offsets = torch.zeros_like(q_lens)
-        lens = q_lens.clone() if p == 0 else torch.zeros_like(q_lens)
+        offsets, lens = torch.zeros_like(q_lens), torch.zeros_like(q_lens)
         snapshots = []
         for row, row_cuts in cuts.items():
             a = int(before[row])
             edges = [a] + [boundary for boundary, _ in row_cuts] + [a + int(q_lens[row])]
             if p < len(edges) - 1:
                 offsets[row], lens[row] = edges[p] - a, edges[p + 1] - edges[p]
-            else:
-                lens[row] = 0
             if p < len(row_cuts):
                 snapshots.append((row, *row_cuts[p]))
         phases.append((_segment(plan, offsets, lens, cut_rows=list(cuts)), snapshots))
     return phases
+
+
+def masked_plan(plan):
+    """``plan`` with the recording rows' queries weighing 0 and their scores not scaled: a
+    pass over it (the fused attention, or the unfused accumulate) scores every other row and
+    leaves the recording rows' scores as they were, new slots zeroed; ``phase_plans`` then
+    scores them. None when no row records."""
+    cuts = plan.prefix.cuts if plan.prefix is not None else {}
+    if not cuts:
+        return None
+    num_tokens, num_rows = int(plan.query_lens.sum()), plan.query_lens.shape[0]
+    weights = (plan.query_weights.clone() if plan.query_weights is not None
+               else torch.ones(num_tokens, dtype=torch.float32))
+    scale = (plan.score_scale.clone() if plan.score_scale is not None
+             else torch.ones(num_rows, dtype=torch.float32))
+    for row in cuts:
+        start = int(plan.query_starts[row])
+        weights[start:start + int(plan.query_lens[row])] = 0.0
+        scale[row] = 1.0
+    return dataclasses.replace(plan, query_weights=weights, score_scale=scale)
 
 
 def _segment(plan, offsets: torch.Tensor, lens: torch.Tensor, cut_rows: list[int]):
@@ -106,13 +126,14 @@ class PrefixStep:
     """A step's prefix-cache work on the device, built once in the metadata builder."""
     init_blocks: torch.Tensor | None     # [n] int64: hit copies whose scores start from a record
     init_slots: torch.Tensor | None      # [n] int64: their record slots (-1: zeros)
-    phases: tuple[Any, ...]              # H2OSteps to accumulate in order, instead of the step
+    masked: Any                          # H2OStep of masked_plan (None: no row records)
+    phases: tuple[Any, ...]              # H2OSteps of the recording rows, accumulated in order
     snapshots: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]  # after each: (blocks, slots)
     fresh_src: torch.Tensor | None       # [m] int64: first KV blocks of rows compacting into
     fresh_dst: torch.Tensor | None       # [m] int64: their fresh blocks
 
 
-def make_prefix_step(plan, block_table: torch.Tensor, phases: Sequence[Any],
+def make_prefix_step(plan, block_table: torch.Tensor, masked: Any, phases: Sequence[Any],
                      snapshots: Sequence[list[tuple[int, int, Sequence[int]]]],
                      block_size: int) -> PrefixStep:
     device = block_table.device
@@ -135,7 +156,7 @@ def make_prefix_step(plan, block_table: torch.Tensor, phases: Sequence[Any],
                          for row, fresh in plan.prefix.fresh.items()])
         dst = torch.tensor([b for fresh in plan.prefix.fresh.values() for b in fresh],
                            dtype=torch.int64).to(device, non_blocking=True)
-    return PrefixStep(init_blocks=init_blocks, init_slots=init_slots, phases=tuple(phases),
+    return PrefixStep(init_blocks=init_blocks, init_slots=init_slots, masked=masked, phases=tuple(phases),
                       snapshots=tuple(snaps), fresh_src=src, fresh_dst=dst)
 
 

@@ -110,12 +110,19 @@ def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps):
 def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size: int,
                  ops: DeviceOps) -> PrefixStep:
     """The step's prefix-cache work; its record phases are H2OSteps of their own."""
+    def sub_step(sub_plan: StepPlan) -> H2OStep:
+        sub = make_step(sub_plan, step.block_table, slots, block_size)
+        return dataclasses.replace(sub, device_index=ops.step_index(sub, block_size))
     phases, snapshots = [], []
     for sub_plan, snaps in prefix_cache.phase_plans(plan):
-        sub = make_step(sub_plan, step.block_table, slots, block_size)
-        phases.append(dataclasses.replace(sub, device_index=ops.step_index(sub, block_size)))
+        phases.append(sub_step(sub_plan))
         snapshots.append(snaps)
-    return prefix_cache.make_prefix_step(plan, step.block_table, phases, snapshots, block_size)
+    masked = prefix_cache.masked_plan(plan)
+    if masked is not None:
+        masked = dataclasses.replace(sub_step(dataclasses.replace(masked, prefix=None)),
+                                     due=step.due, compact_table=step.compact_table)
+    return prefix_cache.make_prefix_step(plan, step.block_table, masked, phases, snapshots,
+                                         block_size)
 
 
 def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
@@ -181,9 +188,12 @@ def prepare_scores(step: H2OStep, scores: torch.Tensor, records: torch.Tensor | 
         prefix_cache.init_hit_scores(step.prefix, scores, records)
 
 
-def fused_is_split(step: H2OStep) -> bool:
-    """Whether this step's accumulation is split at record boundaries (then unfused)."""
-    return step.prefix is not None and bool(step.prefix.phases)
+def scoring_step(step: H2OStep) -> H2OStep:
+    """The step the attention pass scores (fused or not): the step itself, or with the rows
+    that write score records masked out (``worker.prefix``: they are scored in phases)."""
+    if step.prefix is not None and step.prefix.masked is not None:
+        return step.prefix.masked
+    return step
 
 
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
@@ -206,12 +216,11 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     if not accumulated:
         scores[step.new_blocks, :, step.new_offsets] = 0.0
         prepare_scores(step, scores, records)
-        phases = prefix.phases if prefix is not None and prefix.phases else (step,)
-        snapshots = prefix.snapshots if prefix is not None and prefix.phases else (None,)
-        for phase, snap in zip(phases, snapshots):
+        ops.accumulate(scoring_step(step), query, views, scores, scale)
+    if prefix is not None:
+        for phase, snap in zip(prefix.phases, prefix.snapshots):
             ops.accumulate(phase, query, views, scores, scale)
             prefix_cache.snapshot(snap, scores, records)
-    if prefix is not None:
         prefix_cache.relocate(prefix, views, scores)
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:

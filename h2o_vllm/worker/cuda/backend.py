@@ -20,7 +20,6 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from h2o_vllm.config import h2o_config
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend
-from h2o_vllm.worker.step import prepare_scores
 from h2o_vllm.worker.cuda.ops import TritonOps
 from h2o_vllm.worker.step import H2OStep
 
@@ -77,6 +76,7 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         self.ops = TritonOps(self.head_size)
         if self.h2o is not None:
             self._check_fusable()
+            self.fuses_scores = True
 
     def _check_fusable(self) -> None:
         """H2O's fused attention computes plain causal softmax attention over an unquantised
@@ -97,7 +97,7 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
                                       f" (layer with {self.num_heads} heads): turn H2O off")
 
     def _fused_attention(self, step, query, views, scores, attn_metadata, output,
-                         output_scale, output_block_scale, records) -> bool:
+                         output_scale, output_block_scale) -> None:
         # Replaces unified_attention and the score pass: one kernel reads K and V once for
         # both (h2o_vllm.kernels.attention; docs/cuda.md, "Fused attention").
         if output_scale is not None or output_block_scale is not None:
@@ -105,10 +105,8 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         if attn_metadata.causal is not True or attn_metadata.mm_prefix_range_tensor is not None:
             raise NotImplementedError("H2O's fused attention is causal only (no per-sequence "
                                       "causality, no bidirectional multimodal prefixes)")
-        prepare_scores(step, scores, records)
         self.ops.attend(step, query, views, output, scores, self.scale,
                         attn_metadata.query_start_loc)
-        return True
 
     def fused_rope_kvcache_supported(self) -> bool:
         return False if self.h2o is not None else super().fused_rope_kvcache_supported()

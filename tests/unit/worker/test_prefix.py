@@ -140,8 +140,16 @@ def test_split_accumulation_equals_unsplit_and_snapshots_are_prefix_scores(mode,
     split_plan = _with_cuts(plan, row_cuts)
     phases = wp.phase_plans(split_plan)
     assert len(phases) == 1 + max(len(c) for c in row_cuts.values())
-    # Every query runs exactly once over the phases.
-    assert sum(p.query_lens for p, _ in phases).tolist() == QUERY
+    # Every query of a recording row runs exactly once over the phases, no other row's.
+    assert sum(p.query_lens for p, _ in phases).tolist() == [q if r in row_cuts else 0
+                                                              for r, q in enumerate(QUERY)]
+    # The step's own pass leaves the recording rows out: their queries weigh 0 there.
+    masked = wp.masked_plan(split_plan)
+    for row in range(5):
+        start, n = int(plan.query_starts[row]), QUERY[row]
+        weights = masked.query_weights[start:start + n]
+        assert bool((weights == 0).all()) == (row in row_cuts)
+        assert (float(masked.score_scale[row]) == 1.0) or row not in row_cuts
 
     whole, split = (State(kind, keys, values, scores, records) for _ in range(2))
     for state in (whole, split):
@@ -176,13 +184,13 @@ def test_split_accumulation_equals_unsplit_and_snapshots_are_prefix_scores(mode,
 
 def test_phase_plans_segments():
     """The segments themselves: each recording row's queries split at its boundaries, other
-    rows whole in phase 0; weights of a segment are its own decay powers."""
+    rows in no phase; weights of a segment are its own decay powers."""
     plan = make_step_plan(t(COMPUTED), t(QUERY), t(PROMPT), BUDGETS["decay"])
     assert wp.phase_plans(plan) == [] and wp.phase_plans(_with_cuts(plan, {})) == []
     phases = wp.phase_plans(_with_cuts(plan, CUTS["two"]))
     lens = [p.query_lens.tolist() for p, _ in phases]
     before = [p.kv_lens_before.tolist() for p, _ in phases]
-    assert lens == [[4, 1, 3, 3, 1], [8, 0, 4, 0, 0], [1, 0, 0, 0, 0]]
+    assert lens == [[4, 0, 3, 0, 0], [8, 0, 4, 0, 0], [1, 0, 0, 0, 0]]
     assert [b[0] for b in before] == [0, 4, 12] and [b[2] for b in before] == [5, 8, 12]
     assert [[(r, h) for r, h, _ in snaps] for _, snaps in phases] == [[(0, 4), (2, 8)], [(0, 12), (2, 12)], []]
     p1 = phases[1][0]
@@ -228,7 +236,7 @@ def test_init_hit_scores_direct():
     scores = torch.rand(6, HKV, BLOCK)
     records = torch.rand(4, HKV, BLOCK) + 2
     before = scores.clone()
-    prefix = wp.PrefixStep(init_blocks=t([4, 1, 2]), init_slots=t([2, -1, 0]), phases=(),
+    prefix = wp.PrefixStep(init_blocks=t([4, 1, 2]), init_slots=t([2, -1, 0]), masked=None, phases=(),
                            snapshots=(), fresh_src=None, fresh_dst=None)
     wp.init_hit_scores(prefix, scores, records)
     assert torch.equal(scores[4], records[2]) and torch.equal(scores[2], records[0])
@@ -243,7 +251,7 @@ def test_relocate_copies_k_v_scores_block_for_block():
     keys, values, scores, _ = _random_layer(seed=8)
     views = TritonCacheViews(keys.clone(), values.clone())
     s = scores.clone()
-    prefix = wp.PrefixStep(init_blocks=None, init_slots=None, phases=(), snapshots=(),
+    prefix = wp.PrefixStep(init_blocks=None, init_slots=None, masked=None, phases=(), snapshots=(),
                            fresh_src=t([3, 9, 4]), fresh_dst=t([20, 21, 30]))
     wp.relocate(prefix, views, s)
     for src, dst in ((3, 20), (9, 21), (4, 30)):
