@@ -50,6 +50,7 @@ class H2OManager(FullAttentionManager):
         self.step_written: list[Record] = []   # records this step writes
         self.step_fresh: set[str] = set()      # requests whose fresh blocks came this step
         self.step_cached: set[int] = set()     # blocks first cached while scheduling this step
+        self.awaiting: set[str] = set()        # waiting requests a record being written will serve
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -158,6 +159,7 @@ class H2OManager(FullAttentionManager):
         written yet; a preempted one plans again when it is admitted again."""
         self.hit_records.pop(request_id, None)
         self.longest_match.pop(request_id, None)
+        self.awaiting.discard(request_id)
         for record in self.pending_records.pop(request_id, ()):
             self.records.drop(record)
 

@@ -47,12 +47,35 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
         # Queries before prompt_len - obs_window add nothing: such a prefix scores all zeros.
         first_scoring = max(0, request.num_prompt_tokens - budget.obs_window)
         return min(matched, first_scoring // block_size) * block_size
+    cut = 0
     for num_blocks in range(matched, 0, -1):
         record = manager.records.ready(_key(manager, request, num_blocks, budget.decay))
         if record is not None:
             manager.hit_records[rid] = record
-            return num_blocks * block_size
-    return 0
+            cut = num_blocks * block_size
+            break
+    _await_longer_record(manager, request, budget, cut // block_size,
+                         min(num_hit_tokens // block_size, (first_compaction - 1) // block_size))
+    return cut
+
+
+def _await_longer_record(manager: H2OManager, request, budget, cut_blocks: int,
+                         matched_blocks: int) -> None:
+    """Mark a request to wait a step when a record longer than its cut hit is being written by
+    a running request (its step has not run yet): admitted now it would recompute what it
+    can hit once that step has run. ``awaits_record`` tells the allocation hook."""
+    rid = request.request_id
+    manager.awaiting.discard(rid)
+    for num_blocks in range(matched_blocks, cut_blocks, -1):
+        key = _key(manager, request, num_blocks, budget.decay)
+        if manager.records.pending(key):
+            manager.awaiting.add(rid)
+            return
+
+
+def awaits_record(managers, request) -> bool:
+    """A waiting request whose longer hit is one step away (``_await_longer_record``)."""
+    return any(request.request_id in m.awaiting for m in managers)
 
 
 def _key(manager: H2OManager, request, num_blocks: int, decay: float):

@@ -54,6 +54,11 @@ class ScoreRecords:
         """A record for ``key`` exists, written or pending."""
         return key in self._index
 
+    def pending(self, key: Hashable) -> bool:
+        """A record for ``key`` is reserved and its writer's step has not run yet."""
+        record = self._index.get(key)
+        return record is not None and not record.ready
+
     def ready(self, key: Hashable) -> Record | None:
         """The written record of ``key``, marked as just used; None if there is none yet."""
         record = self._index.get(key)

@@ -63,10 +63,14 @@ def _update_from_output_wrapper(original):
 
 
 def _allocate_slots_wrapper(original):
+    from vllm.v1.request import RequestStatus
+
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
         managers = _h2o_managers(self)
         if not managers:
             return original(self, request, num_new_tokens, *args, **kwargs)
+        if prefix.awaits_record(managers, request) and request.status == RequestStatus.WAITING:
+            return None  # vLLM keeps it waiting: next step its longer hit is exact
         base = self.watermark_blocks
         self.watermark_blocks = step.admission_watermark(managers, base, request, num_new_tokens,
                                                          self.max_model_len)

@@ -525,3 +525,24 @@ def test_recomputed_request_never_hits_past_its_first_compaction():
     assert n == 28  # vLLM would give the whole match
     cut = cut_hit(e.m, a, n, blocks)
     assert 0 < cut < cadence_start(20, 8, 4) and cut % BLOCK == 0
+
+
+def test_a_waiting_request_awaits_a_record_being_written():
+    """b's prefix is being recorded by a (admitted this step, its step not run yet): b is held
+    back one step (awaits_record) instead of recomputing it, then hits it exactly; once
+    nothing longer is pending, nothing waits."""
+    from h2o_vllm.scheduler.prefix import awaits_record
+    e = Engine()
+    shared = list(range(500, 524))           # 6 blocks
+    x = _request("x", shared + [1, 2, 3])
+    e.run_prompt(x)                           # records 6 blocks (its prompt's last boundary)
+    a = e.add(_request("a", shared + [7, 8, 9, 10, 11]))
+    orders = e.schedule({"a": None})          # a hits 6 blocks and records boundary 28 (7 blocks)
+    assert e.hits["a"] and any(boundary == 28 for _, boundary, _ in orders.record_writes)
+    b = e.add(_request("b", shared + [7, 8, 9, 10, 11, 12, 13]))  # matches a's 7 blocks
+    blocks, n = e.vllm_hit(b)
+    cut = cut_hit(e.m, b, n, blocks)
+    assert cut == 24 and awaits_record([e.m], b)  # a's record of 28 is still pending
+    e.finish_step()                           # a's step ran: its record is ready
+    blocks, n = e.vllm_hit(b)
+    assert cut_hit(e.m, b, n, blocks) == 28 and not awaits_record([e.m], b)
