@@ -51,6 +51,7 @@ class H2OManager(FullAttentionManager):
         self.step_fresh: set[str] = set()      # requests whose fresh blocks came this step
         self.step_cached: set[int] = set()     # blocks first cached while scheduling this step
         self.awaiting: set[str] = set()        # waiting requests a record being written will serve
+        self.waited: set[str] = set()          # requests that have waited for one already
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -160,6 +161,7 @@ class H2OManager(FullAttentionManager):
         self.hit_records.pop(request_id, None)
         self.longest_match.pop(request_id, None)
         self.awaiting.discard(request_id)
+        self.waited.discard(request_id)
         for record in self.pending_records.pop(request_id, ()):
             self.records.drop(record)
 

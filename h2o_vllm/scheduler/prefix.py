@@ -63,13 +63,18 @@ def _await_longer_record(manager: H2OManager, request, budget, cut_blocks: int,
                          matched_blocks: int) -> None:
     """Mark a request to wait a step when a record longer than its cut hit is being written by
     a running request (its step has not run yet): admitted now it would recompute what it
-    can hit once that step has run. ``awaits_record`` tells the allocation hook."""
+    can hit once that step has run. ``awaits_record`` tells the allocation hook. One step per
+    request at most: a writer far from its boundary (a long prompt in small chunks) must not
+    hold the waiting queue up."""
     rid = request.request_id
     manager.awaiting.discard(rid)
+    if rid in manager.waited:
+        return
     for num_blocks in range(matched_blocks, cut_blocks, -1):
         key = _key(manager, request, num_blocks, budget.decay)
         if manager.records.pending(key):
             manager.awaiting.add(rid)
+            manager.waited.add(rid)
             return
 
 

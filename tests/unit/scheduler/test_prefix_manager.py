@@ -543,6 +543,8 @@ def test_a_waiting_request_awaits_a_record_being_written():
     blocks, n = e.vllm_hit(b)
     cut = cut_hit(e.m, b, n, blocks)
     assert cut == 24 and awaits_record([e.m], b)  # a's record of 28 is still pending
+    cut_hit(e.m, b, n, blocks)                # asked again in the same state: one wait only
+    assert not awaits_record([e.m], b)
     e.finish_step()                           # a's step ran: its record is ready
     blocks, n = e.vllm_hit(b)
     assert cut_hit(e.m, b, n, blocks) == 28 and not awaits_record([e.m], b)
