@@ -36,13 +36,14 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     rid, block_size = request.request_id, manager.block_size
     manager.longest_match[rid] = num_hit_tokens // block_size
     manager.hit_records[rid] = None
-    matched = next((j for j, block in enumerate(hit_blocks) if block.block_id in manager.step_cached),
-                   num_hit_tokens // block_size)
     budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
     # A request recomputed after preemption may match past its own first compaction (another
     # prompt ran into its outputs); the block counts assume no hit reaches that far.
     first_compaction = cadence_start(request.num_prompt_tokens, budget.tokens, budget.interval)
-    matched = min(matched, (first_compaction - 1) // block_size)
+    reachable = min(num_hit_tokens // block_size, (first_compaction - 1) // block_size)
+    matched = next((j for j, block in enumerate(hit_blocks) if block.block_id in manager.step_cached),
+                   reachable)
+    matched = min(matched, reachable)
     if budget.obs_window is not None:
         # Queries before prompt_len - obs_window add nothing: such a prefix scores all zeros.
         first_scoring = max(0, request.num_prompt_tokens - budget.obs_window)
@@ -54,8 +55,7 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
             manager.hit_records[rid] = record
             cut = num_blocks * block_size
             break
-    _await_longer_record(manager, request, budget, cut // block_size,
-                         min(num_hit_tokens // block_size, (first_compaction - 1) // block_size))
+    _await_longer_record(manager, request, budget, cut // block_size, reachable)
     return cut
 
 

@@ -26,8 +26,6 @@ def finish_request(managers: Sequence[H2OManager], request_id: str) -> None:
     for manager in managers:
         manager.budgets.forget(request_id)
         manager.prompt_lens.pop(request_id, None)
-        manager.awaiting.discard(request_id)
-        manager.waited.discard(request_id)
 
 
 def free_compacted_tails(kv_cache_manager, running: Iterable) -> None:

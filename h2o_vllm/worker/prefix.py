@@ -99,7 +99,9 @@ def masked_plan(plan):
         start = int(plan.query_starts[row])
         weights[start:start + int(plan.query_lens[row])] = 0.0
         scale[row] = 1.0
-    return dataclasses.replace(plan, query_weights=weights, score_scale=scale)
+    # Scores only: the step itself selects and compacts.
+    return dataclasses.replace(plan, query_weights=weights, score_scale=scale,
+                               due=torch.zeros_like(plan.due), prefix=None)
 
 
 def _segment(plan, offsets: torch.Tensor, lens: torch.Tensor, cut_rows: list[int]):

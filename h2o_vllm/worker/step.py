@@ -118,11 +118,9 @@ def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size:
         phases.append(sub_step(sub_plan))
         snapshots.append(snaps)
     masked = prefix_cache.masked_plan(plan)
-    if masked is not None:
-        masked = dataclasses.replace(sub_step(dataclasses.replace(masked, prefix=None)),
-                                     due=step.due, compact_table=step.compact_table)
-    return prefix_cache.make_prefix_step(plan, step.block_table, masked, phases, snapshots,
-                                         block_size)
+    return prefix_cache.make_prefix_step(plan, step.block_table,
+                                         None if masked is None else sub_step(masked),
+                                         phases, snapshots, block_size)
 
 
 def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,

@@ -26,7 +26,12 @@ SHAPES = [
     (128, 8, 32, torch.float32),
     (64, 3, 16, torch.float32),
 ]
-SHAPE_IDS = [f"d{d}-g{g}-bs{bs}-{str(t)[6:]}" for d, g, bs, t in SHAPES]
+def shape_ids(shapes) -> list[str]:
+    """Test ids of (head_size, group, block_size, dtype) cases."""
+    return [f"d{d}-g{g}-bs{bs}-{str(t)[6:]}" for d, g, bs, t in shapes]
+
+
+SHAPE_IDS = shape_ids(SHAPES)
 
 
 def make_cache(kv_lens, head_size, block_size, dtype, seed=0):

@@ -8,7 +8,7 @@ schedules in one step: a prefill chunk over earlier keys, a fresh prompt, decode
 ragged lengths, a one-key row.
 """
 from kernel_cases import (DEVICE, INTERPRETED, NUM_KV_HEADS, int32, make_cache,  # isort: skip
-                          make_query, make_weights, vllm_unified_attention)
+                          make_query, make_weights, shape_ids, vllm_unified_attention)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -28,10 +28,9 @@ SHAPES = [
     (64, 3, 16, torch.float32),
     (128, 1, 32, torch.float16),
 ]
-SHAPE_IDS = [f"d{d}-g{g}-bs{bs}-{str(t)[6:]}" for d, g, bs, t in SHAPES]
 if not INTERPRETED:  # compiled on a GPU: bf16 too
     SHAPES += [(128, 8, 16, torch.bfloat16), (64, 3, 32, torch.bfloat16)]
-    SHAPE_IDS += ["d128-g8-bs16-bfloat16", "d64-g3-bs32-bfloat16"]
+SHAPE_IDS = shape_ids(SHAPES)
 # Output vs vLLM: the same products, fp32 sums in another order (exp2 here, exp there). Measured
 # under the interpreter: fp32 <= 8.4e-7; fp16 one ulp (<= 9.8e-4 at |out| < 2), since both
 # round P to the cache dtype before P.V and a last bit of that rounding can differ.
