@@ -14,7 +14,7 @@ DEFAULT_RATIO = 0.1
 
 _RATIO_KEYS = ("heavy_ratio", "recent_ratio")
 _TOKEN_KEYS = ("heavy_tokens", "recent_tokens")
-_COUNT_KEYS = ("interval", "sink_tokens", "obs_window", "min_tokens")
+_COUNT_KEYS = ("interval", "sink_tokens", "obs_window", "min_tokens", "pool_kernel")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class H2OConfig:
       (SnapKV's observation window); later queries all count.
     - ``min_tokens``: a floor on the cache size: when sinks + heavy + recent is smaller, the
       recent window grows to make up ``min_tokens`` (short prompts under a ratio budget).
+    - ``pool_kernel`` (odd): heavy hitters are ranked on their scores max-pooled over the
+      ``pool_kernel`` nearest candidates (SnapKV's pooling), so a fact spanning a few tokens is
+      kept whole; the kept tokens keep their own scores.
     """
 
     heavy_ratio: float | None = None
@@ -55,6 +58,7 @@ class H2OConfig:
     sink_tokens: int | None = None
     obs_window: int | None = None
     min_tokens: int | None = None
+    pool_kernel: int | None = None
 
     def __post_init__(self) -> None:
         for key in _RATIO_KEYS:
@@ -76,11 +80,14 @@ class H2OConfig:
             value = getattr(self, key)
             if value is None:
                 continue
-            low = 1 if key in ("interval", "obs_window") else 0
+            low = 1 if key in ("interval", "obs_window", "pool_kernel") else 0
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
             if value < low:
                 raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
+        if self.pool_kernel is not None and self.pool_kernel % 2 == 0:
+            # An even window has no centre: the pooled score of a token would lean to one side.
+            raise ValueError(f"h2o.pool_kernel must be odd (1 is no pooling), got {self.pool_kernel!r}")
         for part in ("heavy", "recent"):
             if getattr(self, f"{part}_ratio") is not None and getattr(self, f"{part}_tokens") is not None:
                 raise ValueError(
@@ -143,7 +150,7 @@ class H2OConfig:
         return Budget(heavy=heavy, recent=recent,
                       interval=self.interval if self.interval is not None else block_size,
                       sinks=sinks, decay=1.0 if self.decay is None else float(self.decay),
-                      obs_window=self.obs_window)
+                      obs_window=self.obs_window, pool=self.pool_kernel or 1)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,7 @@ class Budget:
     sinks: int = 0
     decay: float = 1.0              # 1.0: the paper's plain sum
     obs_window: int | None = None   # None: every prompt query scores
+    pool: int = 1                   # heavy hitters ranked on scores max-pooled over this many
 
     @property
     def tokens(self) -> int:

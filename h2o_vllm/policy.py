@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from h2o_vllm.config import Budget
 
@@ -64,14 +65,16 @@ def peak_kv_len(prompt_len: int, max_len: int, budget: Budget) -> int:
     return max(peak + 1, 1) if last >= prompt_len else prompt_len
 
 
-def select_keep(scores: torch.Tensor, heavy: int, recent: int, sinks: int = 0) -> torch.Tensor:
+def select_keep(scores: torch.Tensor, heavy: int, recent: int, sinks: int = 0,
+                pool: int = 1) -> torch.Tensor:
     """Indices of the tokens to keep, per head: the ``sinks`` first ones, the ``recent`` last
-    ones, and the ``heavy`` highest-scoring among the rest; ties keep the more recent token;
+    ones, and the ``heavy`` highest-ranked among the rest; ties keep the more recent token;
     ascending order.
 
     scores: [..., n] accumulated attention of the n live tokens (oldest first). The first
     ``sinks`` live tokens are the first logical ones: they are never evicted, and compaction
-    keeps order. Returns int64 [..., min(n, sinks + heavy + recent)]; the same count per head.
+    keeps order. ``pool`` (odd): the rest are ranked on ``pooled_scores``, not on their own.
+    Returns int64 [..., min(n, sinks + heavy + recent)]; the same count per head.
     """
     n = scores.shape[-1]
     num_sinks = min(sinks, n)
@@ -84,8 +87,20 @@ def select_keep(scores: torch.Tensor, heavy: int, recent: int, sinks: int = 0) -
     recent_idx = torch.arange(num_older, n, device=device).expand(*lead, num_recent)
     if num_heavy == 0:
         return torch.cat([sink_idx, recent_idx], dim=-1).contiguous()
+    candidates = pooled_scores(scores[..., num_sinks:num_older], pool)
     # Flip so that, among equal scores, the stable sort meets the more recent token first.
-    older = scores[..., num_sinks:num_older].flip(-1)
-    order = torch.sort(older, dim=-1, descending=True, stable=True).indices[..., :num_heavy]
+    order = torch.sort(candidates.flip(-1), dim=-1, descending=True, stable=True).indices[..., :num_heavy]
     heavy_idx = torch.sort(num_older - 1 - order, dim=-1).values
     return torch.cat([sink_idx, heavy_idx, recent_idx], dim=-1)
+
+
+def pooled_scores(candidates: torch.Tensor, pool: int) -> torch.Tensor:
+    """[..., m] each candidate's rank score: the largest score among the ``pool`` candidates
+    centred on it (fewer at the ends), or its own when ``pool`` is 1. Candidates are live slots
+    in order, so after a compaction the neighbours are the nearest surviving tokens."""
+    if pool == 1:
+        return candidates
+    m = candidates.shape[-1]
+    flat = candidates.reshape(-1, 1, m)
+    # max_pool1d pads with -inf: a window at the edge takes the max of what it covers.
+    return F.max_pool1d(flat, pool, stride=1, padding=pool // 2).view(candidates.shape)

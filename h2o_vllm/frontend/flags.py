@@ -30,6 +30,7 @@ FLAGS = {
     "sink_tokens": "--h2o-sink-tokens",
     "obs_window": "--h2o-obs-window",
     "min_tokens": "--h2o-min-tokens",
+    "pool_kernel": "--h2o-pool-kernel",
 }
 _FLOAT_KEYS = ("heavy_ratio", "recent_ratio", "decay")
 _HELP = {

@@ -71,16 +71,21 @@ class LayerCache:
         self._keys, self._values = grown(self._keys), grown(self._values)
         self._positions, self._scores = grown(self._positions), grown(self._scores)
 
-    def compact(self, heavy: int, recent: int, sinks: int = 0) -> None:
+    def compact(self, heavy: int, recent: int, sinks: int = 0, pool: int = 1) -> None:
         """Keep, per KV head, the ``sinks`` first live tokens, the ``recent`` newest ones and the
         ``heavy`` highest-scored of the rest (ties keep the more recent token, see Eviction);
         order and scores move along. The first live slots are the first logical tokens: sinks
-        are never evicted and compaction preserves order."""
+        are never evicted and compaction preserves order. ``pool`` (odd): the rest are ranked
+        by the best score within ``pool // 2`` slots of each among them; kept scores are their own."""
         n = self.kv_len
         if sinks + heavy + recent >= n:
             return
         num_candidates = n - recent  # slots [sinks, num_candidates) compete for the heavy part
         candidates = self.scores[:, sinks:num_candidates]
+        if pool > 1:
+            half = pool // 2
+            padded = torch.nn.functional.pad(candidates, (half, half), value=-torch.inf)
+            candidates = padded.unfold(-1, pool, 1).amax(-1)  # [num_kv_heads, n - sinks - recent]
         # Sorting the reversed candidates stably puts, among equal scores, the newer token first.
         order = torch.argsort(candidates.flip(-1), dim=-1, descending=True, stable=True)[:, :heavy]
         heavy_slots = (num_candidates - 1 - order).sort(dim=-1).values
@@ -125,7 +130,7 @@ class SequenceState:
         if self.kv_len < budget.tokens + budget.interval:
             return False
         for layer in self.layers:
-            layer.compact(budget.heavy, budget.recent, budget.sinks)
+            layer.compact(budget.heavy, budget.recent, budget.sinks, budget.pool)
         return True
 
     def query_weights(self, positions: torch.Tensor) -> torch.Tensor | None:

@@ -79,6 +79,8 @@ MODES: dict[str, dict[str, Any]] = {
     "sinks": {"sink_tokens": 4},
     "window": {"obs_window": 32},
     "window+sinks": {"obs_window": 32, "sink_tokens": 4},
+    "pool": {"pool_kernel": 15},
+    "window+pool": {"obs_window": 16, "pool_kernel": 15},
     # Probes of the window for the pass-key task (README, "Score modes past the paper").
     "window8": {"obs_window": 8},
     "window16": {"obs_window": 16},

@@ -31,6 +31,7 @@ class StepPlan:
     kv_lens_after: torch.Tensor    # live KV tokens once this step's compaction is done
     heavy: torch.Tensor
     sinks: torch.Tensor
+    pool: torch.Tensor             # Budget.pool: the heavy hitters' ranking window
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
     # Score decay and query weights (config.Budget; docs/score-modes.md). A row whose queries
@@ -53,9 +54,9 @@ class StepPlan:
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    budgets: Sequence[Budget]) -> StepPlan:
     """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens)."""
-    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks) for b in budgets],
-                         dtype=torch.int64).view(-1, 4)
-    heavy, budget_tokens, interval, sinks = table.unbind(1)
+    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks, b.pool) for b in budgets],
+                         dtype=torch.int64).view(-1, 5)
+    heavy, budget_tokens, interval, sinks, pool = table.unbind(1)
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval)
     seq_lens = before + query_lens
@@ -65,7 +66,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     if any(b.decay != 1.0 or b.obs_window is not None for b in budgets):
         weights, scale = _query_weights(num_computed, query_lens, prompt_lens, budgets, starts)
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
-                    kv_lens_after=after, heavy=heavy, sinks=sinks, due=after < seq_lens,
+                    kv_lens_after=after, heavy=heavy, sinks=sinks, pool=pool, due=after < seq_lens,
                     query_starts=starts, decay=decay, query_weights=weights, score_scale=scale)
 
 

@@ -27,13 +27,14 @@ from h2o_vllm.worker.prefix import PrefixStep
 
 @dataclass(frozen=True)
 class DueGroup:
-    """Due rows that share (kv_len, sinks, heavy, target): one select_keep and one compaction."""
+    """Due rows that share (kv_len, sinks, heavy, target, pool): one select_keep and one compaction."""
     rows: torch.Tensor      # [R] int64, device: batch rows
     blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
     offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
     sinks: int
     heavy: int
     target: int
+    pool: int = 1
 
 
 @dataclass(frozen=True)
@@ -164,18 +165,18 @@ def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
 
 def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
     device = block_table.device
-    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    groups: dict[tuple[int, int, int, int, int], list[int]] = {}
     for row in plan.due.nonzero().flatten().tolist():
         key = (int(plan.kv_seq_lens[row]), int(plan.sinks[row]), int(plan.heavy[row]),
-               int(plan.kv_lens_after[row]))
+               int(plan.kv_lens_after[row]), int(plan.pool[row]))
         groups.setdefault(key, []).append(row)
     out = []
-    for (kv_len, sinks, heavy, target), rows in groups.items():
+    for (kv_len, sinks, heavy, target, pool), rows in groups.items():
         pos = torch.arange(kv_len)
         rows_d = _to(torch.tensor(rows), device)
         blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
         out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
-                            sinks=sinks, heavy=heavy, target=target))
+                            sinks=sinks, heavy=heavy, target=target, pool=pool))
     return tuple(out)
 
 
@@ -224,7 +225,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
         keep = select_keep(live, group.heavy, group.target - group.sinks - group.heavy,
-                           group.sinks)                                         # [R, Hkv, target]
+                           group.sinks, group.pool)                             # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
         ops.compact(views, scores, step.compact_table, group.rows, keep)
