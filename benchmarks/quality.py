@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
     p.add_argument("--budgets", default="0.5,0.2,0.1", help="total budgets, fractions of the prompt")
-    p.add_argument("--policies", default="h2o,local,decay,sinks,window,window+sinks",
+    p.add_argument("--policies", default="h2o,local,decay,sinks,window,window+sinks,pool,window+pool,"
+                                          "window+pool+sinks",
                    help="policies beside the full cache: h2o (paper), local, and the score modes of "
                         "h2o_vllm.tools.bench.MODES")
     p.add_argument("--texts", default="gpl3,devil",

@@ -44,9 +44,10 @@ class H2OConfig:
       (SnapKV's observation window); later queries all count.
     - ``min_tokens``: a floor on the cache size: when sinks + heavy + recent is smaller, the
       recent window grows to make up ``min_tokens`` (short prompts under a ratio budget).
-    - ``pool_kernel`` (odd): heavy hitters are ranked on their scores max-pooled over the
-      ``pool_kernel`` nearest candidates (SnapKV's pooling), so a fact spanning a few tokens is
-      kept whole; the kept tokens keep their own scores.
+    - ``pool_kernel`` (odd): at a sequence's first compaction (the one that compresses its
+      prompt), heavy hitters are ranked on their scores max-pooled over the ``pool_kernel``
+      nearest candidates (SnapKV's pooling), so a fact spanning a few tokens is kept whole; the
+      kept tokens keep their own scores, and later compactions rank by score alone.
     """
 
     heavy_ratio: float | None = None
@@ -164,7 +165,7 @@ class Budget:
     sinks: int = 0
     decay: float = 1.0              # 1.0: the paper's plain sum
     obs_window: int | None = None   # None: every prompt query scores
-    pool: int = 1                   # heavy hitters ranked on scores max-pooled over this many
+    pool: int = 1                   # the first compaction ranks on scores max-pooled over this many
 
     @property
     def tokens(self) -> int:

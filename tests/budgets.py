@@ -17,6 +17,8 @@ MODES = {
     "sinks-4-local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1,
                                       "sink_tokens": 4},
     "window-8-ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "obs_window": 8},
+    "pool-5-window-8-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1,
+                                             "pool_kernel": 5, "obs_window": 8},
     "floor-24-ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1,
                                          "min_tokens": 24},
     # decay 0.85, not 0.9: with 0.9 the oracle's last logits for the 160-token prompt of

@@ -48,6 +48,9 @@ _HELP = {
                   "window; >= 1); default: every prompt query.",
     "min_tokens": "Never compact below INT tokens: a smaller budget gets a longer recent window "
                   "(short prompts under a ratio budget); default 0.",
+    "pool_kernel": "At the prompt's compaction, rank heavy hitters on their scores max-pooled "
+                   "over INT neighbouring tokens (odd; SnapKV's pooling), so a fact spanning a "
+                   "few tokens is kept whole; default 1, no pooling.",
 }
 
 

@@ -129,8 +129,10 @@ class SequenceState:
             return False
         if self.kv_len < budget.tokens + budget.interval:
             return False
+        # Pooling ranks only the first compaction, the one that compresses the prompt.
+        pool = budget.pool if self.kv_len == self.num_tokens else 1
         for layer in self.layers:
-            layer.compact(budget.heavy, budget.recent, budget.sinks, budget.pool)
+            layer.compact(budget.heavy, budget.recent, budget.sinks, pool)
         return True
 
     def query_weights(self, positions: torch.Tensor) -> torch.Tensor | None:

@@ -80,7 +80,8 @@ MODES: dict[str, dict[str, Any]] = {
     "window": {"obs_window": 32},
     "window+sinks": {"obs_window": 32, "sink_tokens": 4},
     "pool": {"pool_kernel": 15},
-    "window+pool": {"obs_window": 16, "pool_kernel": 15},
+    "window+pool": {"obs_window": 32, "pool_kernel": 15},
+    "window+pool+sinks": {"obs_window": 32, "pool_kernel": 15, "sink_tokens": 4},
     # Probes of the window for the pass-key task (README, "Score modes past the paper").
     "window8": {"obs_window": 8},
     "window16": {"obs_window": 16},

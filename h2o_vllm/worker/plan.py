@@ -18,7 +18,7 @@ import torch
 from h2o_vllm import metrics
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget
-from h2o_vllm.policy import live_kv_len
+from h2o_vllm.policy import cadence_start, live_kv_len
 from h2o_vllm.worker.prefix import prefix_plan
 
 
@@ -31,7 +31,7 @@ class StepPlan:
     kv_lens_after: torch.Tensor    # live KV tokens once this step's compaction is done
     heavy: torch.Tensor
     sinks: torch.Tensor
-    pool: torch.Tensor             # Budget.pool: the heavy hitters' ranking window
+    pool: torch.Tensor             # Budget.pool where this step's compaction is the row's first, else 1
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
     # Score decay and query weights (config.Budget; docs/score-modes.md). A row whose queries
@@ -57,6 +57,8 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks, b.pool) for b in budgets],
                          dtype=torch.int64).view(-1, 5)
     heavy, budget_tokens, interval, sinks, pool = table.unbind(1)
+    # Pooling ranks the prompt's compaction only (docs/score-modes.md): later ones rank by score.
+    pool = torch.where(num_computed < cadence_start(prompt_lens, budget_tokens, interval), pool, 1)
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval)
     seq_lens = before + query_lens

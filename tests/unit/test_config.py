@@ -291,3 +291,26 @@ def test_from_dict_returns_config_or_raises_value_error_mentioning_h2o(data):
     budget = cfg.budget(100, 16)
     assert budget.heavy >= 0 and budget.recent >= 0 and budget.tokens >= 1
     assert budget.interval >= 1
+
+
+# --------------------------------------------------------------------------- score modes
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"decay": 0}, "h2o.decay"), ({"decay": 1.5}, "h2o.decay"), ({"decay": True}, "h2o.decay"),
+    ({"sink_tokens": -1}, "h2o.sink_tokens"), ({"obs_window": 0}, "h2o.obs_window"),
+    ({"min_tokens": 2.5}, "h2o.min_tokens"),
+    ({"pool_kernel": 0}, "h2o.pool_kernel"), ({"pool_kernel": 4}, "must be odd"),
+    ({"pool_kernel": True}, "h2o.pool_kernel"), ({"pool_kernel": 7.0}, "h2o.pool_kernel"),
+])
+def test_mode_values_rejected(data, match):
+    assert match in _error(data)
+
+
+def test_modes_resolve_into_the_budget():
+    plain = H2OConfig().budget(100, 16)
+    assert (plain.sinks, plain.decay, plain.obs_window, plain.pool) == (0, 1.0, None, 1)
+    budget = H2OConfig(decay=0.9, sink_tokens=4, obs_window=16, pool_kernel=15).budget(100, 16)
+    assert (budget.sinks, budget.decay, budget.obs_window, budget.pool) == (4, 0.9, 16, 15)
+    assert budget.tokens == 4 + 10 + 10
+    assert H2OConfig(pool_kernel=1).budget(100, 16) == plain

@@ -261,3 +261,42 @@ def test_select_keep_does_not_modify_scores():
     select_keep(scores, 2, 1)
     assert torch.equal(scores, before)
 
+
+
+def _reference_keep_pooled(row: list[float], heavy: int, recent: int, sinks: int, pool: int) -> list[int]:
+    """Sinks first, then the paper's pick on each candidate's best score within pool // 2
+    candidates of it (candidates: between the sinks and the recent window)."""
+    n = len(row)
+    num_sinks = min(sinks, n)
+    num_recent = min(recent, n - num_sinks)
+    candidates = list(range(num_sinks, n - num_recent))
+    half = pool // 2
+    rank = {t: max(row[u] for u in candidates[max(0, i - half): i + half + 1])
+            for i, t in enumerate(candidates)}
+    ranked = sorted(candidates, key=lambda t: (-rank[t], -t))
+    return list(range(num_sinks)) + sorted(ranked[:heavy]) + list(range(n - num_recent, n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scores=score_batches(), heavy=st.integers(0, 30), recent=st.integers(0, 30),
+       sinks=st.integers(0, 6), pool=st.sampled_from([1, 3, 5, 15]))
+def test_select_keep_sinks_and_pooling(scores, heavy, recent, sinks, pool):
+    n = scores.shape[-1]
+    keep = select_keep(scores, heavy, recent, sinks, pool)
+    assert keep.shape == (*scores.shape[:-1], min(n, sinks + heavy + recent))
+    num_heads = math.prod(scores.shape[:-1])
+    for row, kept in zip(scores.reshape(num_heads, n).tolist(),
+                         keep.reshape(num_heads, keep.shape[-1]).tolist()):
+        assert kept == _reference_keep_pooled(row, heavy, recent, sinks, pool)
+
+
+def test_pooling_keeps_the_neighbours_of_a_peak():
+    # One peak at 3 among flat candidates: pooled over 3 it lifts 2, 3 and 4 alike; ties keep
+    # the more recent, so heavy=2 keeps 3 and 4 (unpooled: the peak and the newest flat token).
+    scores = torch.tensor([0.0, 0.1, 0.1, 5.0, 0.1, 0.1, 0.1, 0.0])
+    assert select_keep(scores, 2, 1).tolist() == [3, 6, 7]
+    assert select_keep(scores, 2, 1, pool=3).tolist() == [3, 4, 7]
+    assert select_keep(scores, 3, 1, pool=3).tolist() == [2, 3, 4, 7]
+    # Pooling never reaches into the sinks or the recent window: token 7's score is not a candidate's.
+    scores = torch.tensor([9.0, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 9.0])
+    assert select_keep(scores, 1, 1, sinks=1, pool=3).tolist() == [0, 6, 7]

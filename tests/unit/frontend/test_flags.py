@@ -112,3 +112,13 @@ def test_request_overrides_need_h2o_on():
         check_request_overrides({}, {"h2o_heavy_ratio": 0.1})
     check_request_overrides({}, {"unrelated": 1})
     check_request_overrides({"h2o": {"heavy_tokens": 4}}, {"h2o_heavy_ratio": 0.05, "h2o_recent_ratio": 0.05})
+
+
+def test_flags_score_modes_fold_and_refuse():
+    assert _fold(["--h2o-pool-kernel", "15", "--h2o-obs-window", "16"]) == \
+        {"h2o": {"pool_kernel": 15, "obs_window": 16}}
+    with pytest.raises(argparse.ArgumentError, match="--h2o-pool-kernel.*odd"):
+        _parser().parse_args(["--h2o-pool-kernel", "8"])
+    from h2o_vllm.frontend.requests import check_request_overrides
+    with pytest.raises(ValueError, match="h2o_pool_kernel"):
+        check_request_overrides({"h2o": {}}, {"h2o_pool_kernel": 2})

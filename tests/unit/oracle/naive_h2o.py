@@ -15,7 +15,9 @@ tokens so far, in order), ``s(t) = sum_i decay**(N-1-i) * w_i * p_i(t)``, the un
 "each query does s <- decay*s + w_i*p_i", with ``w_i = 0`` for a prompt query before the
 observation window (``i < prompt_len - obs_window``), else 1. Sinks: tokens at logical position
 ``< sink_tokens`` are never evicted. ``min_tokens``: the recent part grows until sinks + heavy +
-recent reaches it.
+recent reaches it. ``pool_kernel``: at the first eviction only, each candidate is ranked by the
+largest score among the candidates at most ``pool_kernel // 2`` places from it in the list of
+live candidates.
 """
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ class NaiveH2O:
         # dropped_at[layer][kv_head][t]: token count at the end of the step that evicted t.
         self.dropped_at = [[[] for _ in range(self.num_kv)] for _ in range(self.num_layers)]
         self.scores: list[list[list[float]]] = []
-        self.sinks, self.decay, self.obs_window = 0, 1.0, None
+        self.evictions = 0
+        self.sinks, self.decay, self.obs_window, self.pool = 0, 1.0, None, 1
         if config is not None:
+            self.pool = config.pool_kernel or 1
             self.sinks = config.sink_tokens or 0
             self.heavy = config.part_budget("heavy", self.prompt_len)
             self.recent = config.part_budget("recent", self.prompt_len)
@@ -136,6 +140,7 @@ class NaiveH2O:
             for layer in range(self.num_layers):
                 for kv in range(self.num_kv):
                     self._evict(layer, kv, n)
+            self.evictions += 1
         return logits
 
     def _query_coefficients(self, n: int) -> torch.Tensor | None:
@@ -159,8 +164,11 @@ class NaiveH2O:
         if self.recent:
             keep.update(live[len(live) - self.recent:])
         rest = live[: len(live) - self.recent]
-        # Highest score first; among equal scores the more recent token first.
-        ranked = sorted(rest, key=lambda t: (-self.scores[layer][kv][t], -t))
+        score = self.scores[layer][kv]
+        half = self.pool // 2 if self.evictions == 0 else 0
+        rank = {t: max(score[u] for u in rest[max(0, i - half): i + half + 1]) for i, t in enumerate(rest)}
+        # Highest rank first; among equal ranks the more recent token first.
+        ranked = sorted(rest, key=lambda t: (-rank[t], -t))
         for t in ranked[: self.heavy]:
             keep.add(t)
         for t in live:

@@ -34,8 +34,12 @@ MODES = {
                       dict(heavy_ratio=0.1, recent_ratio=0.1)),
     "decay+sinks+window": (dict(heavy_tokens=6, recent_tokens=4, decay=0.95, sink_tokens=2, obs_window=8),
                            dict(heavy_tokens=6, recent_tokens=4)),
+    "pool-5": (dict(heavy_tokens=6, recent_tokens=4, pool_kernel=5),
+               dict(heavy_tokens=6, recent_tokens=4)),
+    "pool-3+window+sinks": (dict(heavy_tokens=6, recent_tokens=4, pool_kernel=3, obs_window=8, sink_tokens=2),
+                            dict(heavy_tokens=6, recent_tokens=4, obs_window=8, sink_tokens=2)),
 }
-CASES = [(name, 1) for name in MODES] + [("sinks-4+heavy", 16), ("decay+sinks+window", 16)]
+CASES = [(name, 1) for name in MODES] + [("sinks-4+heavy", 16), ("decay+sinks+window", 16), ("pool-5", 16)]
 
 
 def kept_positions(states) -> list:
@@ -78,13 +82,13 @@ def test_each_mode_changes_what_paper_h2o_keeps(model, prompts, mode):
             assert a.budget.tokens == max(32, b.budget.tokens)
             assert a.kv_len >= min(32, a.num_tokens) and b.kv_len < 32
         else:
-            assert a.budget.tokens == b.budget.tokens + a.budget.sinks
+            assert a.budget.tokens == b.budget.tokens + a.budget.sinks - b.budget.sinks
 
 
 def test_decay_and_window_change_generated_tokens(model, prompts):
     """Stronger than the kept sets: the modes reach the output tokens on this model."""
     outputs = {}
-    for mode in ("decay-0.9", "obs-window-8", "sinks-4+heavy"):
+    for mode in ("decay-0.9", "obs-window-8", "sinks-4+heavy", "pool-5"):
         with_mode, paper = (H2OOracle(model, H2OConfig(**kwargs, interval=1), query_chunk=CHUNK)
                             for kwargs in MODES[mode])
         outputs[mode] = (with_mode.generate(prompts, NEW_TOKENS), paper.generate(prompts, NEW_TOKENS))
@@ -141,10 +145,11 @@ def test_min_tokens_floor_on_short_prompt(model, prompts):
 
 def test_neutral_modes_are_bit_identical_to_paper(model, prompts):
     """decay 1, sink_tokens 0, an observation window covering the prompt, a floor under the
-    budget: the paper's arithmetic path itself, so scores are equal bit for bit."""
+    budget, a pool of 1: the paper's arithmetic path itself, so scores are equal bit for bit."""
     base = dict(heavy_tokens=4, recent_tokens=4, interval=1)
     paper = H2OOracle(model, H2OConfig(**base), query_chunk=CHUNK)
-    neutral = H2OOracle(model, H2OConfig(**base, decay=1.0, sink_tokens=0, obs_window=64, min_tokens=8),
+    neutral = H2OOracle(model, H2OConfig(**base, decay=1.0, sink_tokens=0, obs_window=64, min_tokens=8,
+                                         pool_kernel=1),
                         query_chunk=CHUNK)
     assert paper.generate(prompts, NEW_TOKENS) == neutral.generate(prompts, NEW_TOKENS)
     for a, b in zip(paper.last_states, neutral.last_states):

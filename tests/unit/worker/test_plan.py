@@ -98,3 +98,12 @@ def test_query_weights_follow_budget_query_weight_and_decay():
     assert plan.query_weights.tolist()[9] == 0.0                     # row 2: before its window
     assert plan.score_scale.tolist() == pytest.approx([0.9 ** 6, 1.0, 1.0, 0.5], rel=1e-6)
     assert plan.decay.tolist() == pytest.approx([0.9, 1.0, 1.0, 0.5])
+
+
+def test_pooling_ranks_only_each_rows_first_compaction():
+    # Budget 4 (2 + 2), interval 2: a 10-token prompt first compacts at its prefill (row 0); a
+    # 3-token prompt at 6 tokens (row 1, at its first due decode); rows 2 and 3 compacted before.
+    budget = Budget(2, 2, 2, pool=5)
+    plan = step_plan.make_step_plan(t([0, 5, 11, 6]), t([10, 1, 1, 1]), t([10, 3, 10, 3]), [budget] * 4)
+    assert plan.due.tolist() == [True, True, True, False]
+    assert plan.pool.tolist() == [5, 5, 1, 1]
