@@ -11,6 +11,10 @@ from typing import Any, Mapping
 
 #: The paper's default: 10% heavy hitters + 10% recent tokens ("20% budget").
 DEFAULT_RATIO = 0.1
+#: The floor of a budget that scales with the prompt (``min_tokens`` unset), in tokens. Measured
+#: (docs/score-modes.md, "Budget floor"): at 20%, 32- and 128-token prompts diverge from the
+#: full cache more than 512-token ones do without it, and no more with it.
+DEFAULT_MIN_TOKENS = 32
 
 _RATIO_KEYS = ("heavy_ratio", "recent_ratio")
 _TOKEN_KEYS = ("heavy_tokens", "recent_tokens")
@@ -44,6 +48,8 @@ class H2OConfig:
       (SnapKV's observation window); later queries all count.
     - ``min_tokens``: a floor on the cache size: when sinks + heavy + recent is smaller, the
       recent window grows to make up ``min_tokens`` (short prompts under a ratio budget).
+      Unset, it is ``DEFAULT_MIN_TOKENS`` for a budget with a positive ratio part and 0 for a
+      budget given in tokens alone (a token count is taken as given); 0 is the paper's rule.
     - ``pool_kernel`` (odd): at a sequence's first compaction (the one that compresses its
       prompt), heavy hitters are ranked on their scores max-pooled over the ``pool_kernel``
       nearest candidates (SnapKV's pooling), so a fact spanning a few tokens is kept whole; the
@@ -143,11 +149,20 @@ class H2OConfig:
         # The epsilon keeps 0.3 * 10 from flooring to 2 through fp error.
         return max(1, math.floor(ratio * prompt_len + 1e-9))
 
+    def floor_tokens(self) -> int:
+        """``min_tokens``, or its default: ``DEFAULT_MIN_TOKENS`` when the budget scales with
+        the prompt (a part with a positive ratio, given or by default), else 0."""
+        if self.min_tokens is not None:
+            return self.min_tokens
+        scales = any(getattr(self, f"{part}_tokens") is None and getattr(self, f"{part}_ratio") != 0
+                     for part in ("heavy", "recent"))
+        return DEFAULT_MIN_TOKENS if scales else 0
+
     def budget(self, prompt_len: int, block_size: int) -> "Budget":
         """The ``Budget`` of one prompt length; ``block_size`` (KV block) is the default interval."""
         sinks, heavy = self.sink_tokens or 0, self.part_budget("heavy", prompt_len)
         recent = self.part_budget("recent", prompt_len)
-        recent += max(0, (self.min_tokens or 0) - (sinks + heavy + recent))
+        recent += max(0, self.floor_tokens() - (sinks + heavy + recent))
         return Budget(heavy=heavy, recent=recent,
                       interval=self.interval if self.interval is not None else block_size,
                       sinks=sinks, decay=1.0 if self.decay is None else float(self.decay),

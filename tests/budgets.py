@@ -1,22 +1,27 @@
 """The shared budget matrix, easy -> hard: engine tests parametrize over it instead of
 inventing cases. Each entry is an ``additional_config["h2o"]`` dict; requests carry it as
-per-request ``extra_args`` so one engine serves the whole matrix."""
+per-request ``extra_args`` so one engine serves the whole matrix.
+
+Ratio budgets set ``min_tokens: 0`` (the paper's rule): the tests' prompts are short, and the
+default floor (``config.DEFAULT_MIN_TOKENS``) would keep most of them whole. The engine default
+(``{}``, a case of every engine test) runs with the floor."""
 from h2o_vllm.config import H2OConfig
 
 BUDGETS = {
-    "ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1},
-    "ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1},
+    "ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "min_tokens": 0},
+    "ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0},
     "tokens-8+8-block": {"heavy_tokens": 8, "recent_tokens": 8},
     "tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1},
-    "local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1},
+    "local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1, "min_tokens": 0},
 }
 
 #: The score modes past the paper (docs/score-modes.md), each on a budget like the above.
 MODES = {
     "decay-0.9-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1, "decay": 0.9},
     "sinks-4-local-0+0.2-interval1": {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1,
-                                      "sink_tokens": 4},
-    "window-8-ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "obs_window": 8},
+                                      "sink_tokens": 4, "min_tokens": 0},
+    "window-8-ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "obs_window": 8,
+                                     "min_tokens": 0},
     "pool-5-window-8-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1,
                                              "pool_kernel": 5, "obs_window": 8},
     "floor-24-ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1,

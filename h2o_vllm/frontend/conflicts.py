@@ -109,16 +109,20 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
     interval)`` tokens (``policy.live_kv_len``); the smallest budget is the one of a 1-token
     prompt. Per-request budgets may exceed it (a request then runs without eviction)."""
     budget = h2o.budget(1, block_size)
-    heavy, recent, interval = budget.heavy, budget.recent, budget.interval
-    if heavy + recent + interval <= max_model_len:
+    needed = budget.tokens + budget.interval
+    if needed <= max_model_len:
         return
     parts = " + ".join(f"{name}={value}" for name, value in (
-        ("heavy", heavy), ("recent", recent), ("interval", interval)))
+        ("sinks", budget.sinks), ("heavy", budget.heavy), ("recent", budget.recent),
+        ("interval", budget.interval)) if value or name != "sinks")
+    floor = h2o.floor_tokens()
+    floor_note = (f" (recent includes the min_tokens floor of {floor}: --h2o-min-tokens)"
+                  if floor > h2o.part_budget("heavy", 1) + h2o.part_budget("recent", 1) + budget.sinks else "")
     raise ValueError(
         f"the H2O budget does not fit max_model_len={max_model_len}: the first compaction needs "
-        f"{parts} = {heavy + recent + interval} tokens, so H2O would never evict. Lower "
-        "h2o.heavy_tokens / h2o.recent_tokens / h2o.interval (--h2o-heavy-tokens, ...), raise "
-        f"--max-model-len, {_OFF}")
+        f"{parts} = {needed} tokens{floor_note}, so H2O would never evict. Lower "
+        "h2o.heavy_tokens / h2o.recent_tokens / h2o.min_tokens / h2o.interval (--h2o-heavy-tokens, "
+        f"...), raise --max-model-len, {_OFF}")
 
 
 def _refuse_speculative(setting: str) -> None:

@@ -82,6 +82,12 @@ MODES: dict[str, dict[str, Any]] = {
     "pool": {"pool_kernel": 15},
     "window+pool": {"obs_window": 32, "pool_kernel": 15},
     "window+pool+sinks": {"obs_window": 32, "pool_kernel": 15, "sink_tokens": 4},
+    # The budget floor (min_tokens) on short prompts; floor0 is the paper's rule.
+    "floor0": {"min_tokens": 0},
+    "floor16": {"min_tokens": 16},
+    "floor32": {"min_tokens": 32},
+    "floor64": {"min_tokens": 64},
+    "floor128": {"min_tokens": 128},
     # Probes of the window for the pass-key task (README, "Score modes past the paper").
     "window8": {"obs_window": 8},
     "window16": {"obs_window": 16},
@@ -99,7 +105,8 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
     max_model_len tokens, which no sequence processes (the overhead of score tracking alone;
     a larger budget is refused by h2o_vllm.frontend.conflicts). "h2o": half heavy, half recent (the
     paper's 0.1 + 0.1 = 20%). "local": recent only, the paper's baseline. A name of ``MODES``:
-    the "h2o" budget with that mode's keys.
+    the "h2o" budget with that mode's keys. The budgets are the fractions they are named for:
+    no floor (``min_tokens`` 0) unless the mode sets one.
     """
     if policy == "stock":
         return None
@@ -108,11 +115,11 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
             raise ValueError("policy 'full' needs max_model_len")
         return {"heavy_tokens": max_model_len - interval, "recent_tokens": 0, "interval": interval}
     if policy == "h2o":
-        return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2}
+        return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2, "min_tokens": 0}
     if policy == "local":
-        return {"heavy_ratio": 0.0, "recent_ratio": budget}
+        return {"heavy_ratio": 0.0, "recent_ratio": budget, "min_tokens": 0}
     if policy in MODES:
-        return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2, **MODES[policy]}
+        return {"heavy_ratio": budget / 2, "recent_ratio": budget / 2, "min_tokens": 0, **MODES[policy]}
     raise ValueError(f"unknown policy {policy!r}: stock, full, h2o, local, {', '.join(MODES)}")
 
 

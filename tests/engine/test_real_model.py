@@ -10,8 +10,8 @@ from h2o_vllm.oracle import H2OOracle
 BLOCK = 32
 MAX_TOKENS = 32
 BUDGETS = {
-    "ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1},
-    "ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1},
+    "ratio-0.1+0.1-interval1": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0},
+    "ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1},  # with the default floor
 }
 
 

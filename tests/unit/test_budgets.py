@@ -3,7 +3,7 @@ own ``extra_args``, with the default interval one KV block."""
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget, H2OConfig
 
-ENGINE = H2OConfig(heavy_ratio=0.1, recent_ratio=0.1)
+ENGINE = H2OConfig(heavy_ratio=0.1, recent_ratio=0.1, min_tokens=0)  # the paper's rule, no floor
 
 
 def test_budgets_resolve_engine_default_with_block_interval():

@@ -6,7 +6,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from h2o_vllm.config import DEFAULT_RATIO, Budget, H2OConfig
+from h2o_vllm.config import DEFAULT_MIN_TOKENS, DEFAULT_RATIO, Budget, H2OConfig
 
 KEYS = ["heavy_ratio", "recent_ratio", "heavy_tokens", "recent_tokens", "interval"]
 RATIO_KEYS = ["heavy_ratio", "recent_ratio"]
@@ -140,15 +140,35 @@ def test_defaults_are_the_papers_budget():
 
 
 def test_mixed_heavy_ratio_recent_tokens_budget():
-    cfg = H2OConfig.from_dict({"heavy_ratio": 0.25, "recent_tokens": 7})
+    cfg = H2OConfig.from_dict({"heavy_ratio": 0.25, "recent_tokens": 7, "min_tokens": 0})
     assert cfg.budget(100, 16) == Budget(heavy=25, recent=7, interval=16)
     assert cfg.budget(3, 16) == Budget(heavy=1, recent=7, interval=16)
 
 
 def test_recent_only_budget():
-    cfg = H2OConfig.from_dict({"heavy_ratio": 0, "recent_ratio": 0.2})
+    cfg = H2OConfig.from_dict({"heavy_ratio": 0, "recent_ratio": 0.2, "min_tokens": 0})
     assert cfg.budget(100, 16) == Budget(heavy=0, recent=20, interval=16)
     assert cfg.budget(1, 16) == Budget(heavy=0, recent=1, interval=16)
+
+
+@pytest.mark.parametrize("data, floor", [
+    ({}, DEFAULT_MIN_TOKENS),                                        # the paper's ratios
+    ({"heavy_ratio": 0.25, "recent_tokens": 7}, DEFAULT_MIN_TOKENS),  # one part scales
+    ({"heavy_ratio": 0, "recent_ratio": 0.2}, DEFAULT_MIN_TOKENS),   # Local
+    ({"heavy_tokens": 2, "recent_tokens": 2}, 0),                    # token counts are taken as given
+    ({"heavy_ratio": 0, "recent_tokens": 3}, 0),
+    ({"heavy_tokens": 2, "recent_tokens": 2, "min_tokens": 8}, 8),   # an explicit floor always applies
+    ({"min_tokens": 0}, 0),                                          # 0: the paper's rule
+])
+def test_default_floor_only_for_budgets_that_scale_with_the_prompt(data, floor):
+    cfg = H2OConfig.from_dict(data)
+    assert cfg.floor_tokens() == floor
+    tiny = cfg.budget(10, 16)
+    assert tiny.tokens == max(floor, cfg.part_budget("heavy", 10) + cfg.part_budget("recent", 10))
+    # The floor grows the recent window only.
+    assert tiny.heavy == cfg.part_budget("heavy", 10)
+    parts = cfg.part_budget("heavy", 4000) + cfg.part_budget("recent", 4000)
+    assert cfg.budget(4000, 16).tokens == max(floor, parts)
 
 
 # --------------------------------------------------------------------------- dict round trip
@@ -310,7 +330,7 @@ def test_mode_values_rejected(data, match):
 def test_modes_resolve_into_the_budget():
     plain = H2OConfig().budget(100, 16)
     assert (plain.sinks, plain.decay, plain.obs_window, plain.pool) == (0, 1.0, None, 1)
-    budget = H2OConfig(decay=0.9, sink_tokens=4, obs_window=16, pool_kernel=15).budget(100, 16)
+    budget = H2OConfig(decay=0.9, sink_tokens=4, obs_window=16, pool_kernel=15).budget(200, 16)
     assert (budget.sinks, budget.decay, budget.obs_window, budget.pool) == (4, 0.9, 16, 15)
-    assert budget.tokens == 4 + 10 + 10
+    assert budget.tokens == 4 + 20 + 20
     assert H2OConfig(pool_kernel=1).budget(100, 16) == plain

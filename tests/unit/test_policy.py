@@ -118,7 +118,7 @@ def test_tensor_path_with_scalar_parameters(ns, prompt_len, budget_tokens, inter
        heavy_ratio=st.sampled_from([0, 0.05, 0.1, 0.3]), recent_tokens=st.integers(1, 64),
        interval=st.one_of(st.none(), st.integers(1, 32)), block_size=st.sampled_from([1, 16, 32]))
 def test_kv_len_after_matches_live_kv_len(n, prompt_len, heavy_ratio, recent_tokens, interval, block_size):
-    cfg = H2OConfig(heavy_ratio=heavy_ratio, recent_tokens=recent_tokens, interval=interval)
+    cfg = H2OConfig(heavy_ratio=heavy_ratio, recent_tokens=recent_tokens, interval=interval, min_tokens=0)
     budget = cfg.budget(prompt_len, block_size)
     heavy, recent = cfg.part_budget("heavy", prompt_len), cfg.part_budget("recent", prompt_len)
     assert (budget.heavy, budget.recent, budget.tokens) == (heavy, recent, heavy + recent)

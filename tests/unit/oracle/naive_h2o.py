@@ -15,7 +15,8 @@ tokens so far, in order), ``s(t) = sum_i decay**(N-1-i) * w_i * p_i(t)``, the un
 "each query does s <- decay*s + w_i*p_i", with ``w_i = 0`` for a prompt query before the
 observation window (``i < prompt_len - obs_window``), else 1. Sinks: tokens at logical position
 ``< sink_tokens`` are never evicted. ``min_tokens``: the recent part grows until sinks + heavy +
-recent reaches it. ``pool_kernel``: at the first eviction only, each candidate is ranked by the
+recent reaches it; unset, it is ``DEFAULT_MIN_TOKENS`` when a part is a positive (or default)
+ratio, 0 for token counts. ``pool_kernel``: at the first eviction only, each candidate is ranked by the
 largest score among the candidates at most ``pool_kernel // 2`` places from it in the list of
 live candidates.
 """
@@ -25,7 +26,7 @@ import math
 
 import torch
 
-from h2o_vllm.config import H2OConfig
+from h2o_vllm.config import DEFAULT_MIN_TOKENS, H2OConfig
 
 NEVER = math.inf
 
@@ -55,7 +56,11 @@ class NaiveH2O:
             self.sinks = config.sink_tokens or 0
             self.heavy = config.part_budget("heavy", self.prompt_len)
             self.recent = config.part_budget("recent", self.prompt_len)
-            floor = config.min_tokens or 0
+            floor = config.min_tokens
+            if floor is None:  # the default floor: for a budget that grows with the prompt
+                ratio_parts = [config.heavy_ratio if config.heavy_tokens is None else 0,
+                               config.recent_ratio if config.recent_tokens is None else 0]
+                floor = DEFAULT_MIN_TOKENS if any(r is None or r > 0 for r in ratio_parts) else 0
             if self.sinks + self.heavy + self.recent < floor:
                 self.recent = floor - self.sinks - self.heavy
             self.decay = 1.0 if config.decay is None else float(config.decay)

@@ -31,7 +31,7 @@ MODES = {
     "obs-window-8": (dict(heavy_tokens=4, recent_tokens=4, obs_window=8),
                      dict(heavy_tokens=4, recent_tokens=4)),
     "min-tokens-32": (dict(heavy_ratio=0.1, recent_ratio=0.1, min_tokens=32),
-                      dict(heavy_ratio=0.1, recent_ratio=0.1)),
+                      dict(heavy_ratio=0.1, recent_ratio=0.1, min_tokens=0)),
     "decay+sinks+window": (dict(heavy_tokens=6, recent_tokens=4, decay=0.95, sink_tokens=2, obs_window=8),
                            dict(heavy_tokens=6, recent_tokens=4)),
     "pool-5": (dict(heavy_tokens=6, recent_tokens=4, pool_kernel=5),

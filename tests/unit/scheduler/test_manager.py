@@ -98,7 +98,7 @@ def test_manager_remove_skipped_blocks_needs_prompt_len():
 
 
 def test_manager_request_budget_overrides_engine_default():
-    m = _manager(H2OConfig())  # paper default: 10% + 10% of the prompt, interval one block
+    m = _manager(H2OConfig(min_tokens=0))  # the paper's: 10% + 10% of the prompt, interval one block
     small = {"h2o_heavy_tokens": 2, "h2o_recent_tokens": 2, "h2o_interval": 1}
     assert m.budgets.resolve("small", 100, small) == Budget(2, 2, 1)
     assert m.budgets.resolve("default", 100) == Budget(10, 10, BLOCK)

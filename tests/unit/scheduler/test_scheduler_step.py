@@ -60,7 +60,7 @@ class Recording:
 
 
 def test_scheduler_step_add_request_resolves_budget_in_every_manager():
-    managers = _managers(H2OConfig(), H2OConfig(heavy_tokens=8, recent_tokens=8, interval=4))
+    managers = _managers(H2OConfig(min_tokens=0), H2OConfig(heavy_tokens=8, recent_tokens=8, interval=4))
     step.add_request(managers, _request("plain", 100))
     step.add_request(managers, _request("small", 100, extra_args={**SMALL, "other": 1}))
     assert all("plain" in m.budgets and "small" in m.budgets for m in managers)
@@ -70,7 +70,7 @@ def test_scheduler_step_add_request_resolves_budget_in_every_manager():
 
 
 def test_scheduler_step_add_request_without_sampling_params():
-    managers = _managers(H2OConfig())
+    managers = _managers(H2OConfig(min_tokens=0))
     pooling = _request("p", 50)
     pooling.sampling_params = None  # a pooling request carries no SamplingParams
     step.add_request(managers, pooling)
