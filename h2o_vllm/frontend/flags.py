@@ -47,7 +47,8 @@ _HELP = {
     "obs_window": "Score the prompt's tokens by its last INT queries only (SnapKV's observation "
                   "window; >= 1); default: every prompt query.",
     "min_tokens": "Never compact below INT tokens: a smaller budget gets a longer recent window "
-                  "(short prompts under a ratio budget); default 0.",
+                  "(short prompts under a ratio budget); default 32 for a budget with a ratio "
+                  "part, 0 for one in tokens; 0 is the paper's rule.",
     "pool_kernel": "At the prompt's compaction, rank heavy hitters on their scores max-pooled "
                    "over INT neighbouring tokens (odd; SnapKV's pooling), so a fact spanning a "
                    "few tokens is kept whole; default 1, no pooling.",
