@@ -309,41 +309,47 @@ def markdown_table(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """One panel per metric; perplexity as its ratio to the full cache's (log scale, one line
+    style per text), so that Local's scale does not flatten the rest; one legend of policies."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     pols = result["policies"]
     budgets = sorted({e["budget"] for e in pols.values() if e["budget"] is not None}, reverse=True)
-    metrics = [("ppl", "streaming perplexity (lower is better)"), ("rouge_l", "ROUGE-L vs full cache"),
+    metrics = [("ppl", "perplexity / full cache's (log)"), ("rouge_l", "ROUGE-L vs full cache"),
                ("token_agreement", "token agreement vs full cache"), ("passkey_accuracy", "pass-key accuracy")]
     texts = result["meta"]["texts"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
+    styles = dict(zip(texts, ("-", "--", ":")))
+    names = list(dict.fromkeys(e["policy"] for e in pols.values() if e["policy"] != "full"))
+    colors = {policy: f"C{i % 10}" for i, policy in enumerate(names)}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4.2))
     for ax, (key, title) in zip(axes, metrics):
-        names = list(dict.fromkeys(e["policy"] for e in pols.values() if e["policy"] != "full"))
-        for policy, color in zip(names, (f"C{i}" for i in range(10))):
+        for policy in names:
             rows = [next(e for e in pols.values() if e["policy"] == policy and e["budget"] == b) for b in budgets]
-            name = {"h2o": "H2O", "local": "Local"}.get(policy, policy)
             if key == "ppl":
-                for text, style in zip(texts, ("-", "--", ":")):
-                    ys = [r.get("ppl", {}).get(text, {}).get("ppl") for r in rows]
+                for text in texts:
+                    ys = [r.get("ppl", {}).get(text, {}).get("ppl_ratio_to_full") for r in rows]
                     if None not in ys:
-                        ax.plot(budgets, ys, style, color=color, marker="o", label=f"{name} {text}")
+                        ax.plot(budgets, ys, styles[text], color=colors[policy], marker="o", ms=3)
             elif all(key in r for r in rows):
-                ax.plot(budgets, [r[key] for r in rows], color=color, marker="o", label=name)
+                ax.plot(budgets, [r[key] for r in rows], color=colors[policy], marker="o", ms=3)
         full = pols["full"]
         if key == "ppl":
-            for text, style in zip(texts, ("-", "--", ":")):
-                if text in full.get("ppl", {}):
-                    ax.axhline(full["ppl"][text]["ppl"], color="k", ls=style, lw=0.8, label=f"full {text}")
+            ax.set_yscale("log")
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.legend([Line2D([], [], color="k", ls=styles[t]) for t in texts], texts, fontsize=7)
         elif key in full:
-            ax.axhline(full[key], color="k", lw=0.8, label="full cache")
+            ax.axhline(full[key], color="k", lw=0.8)
         ax.set(title=title, xlabel="budget (fraction of the prompt)")
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    handles = [Line2D([], [], color=colors[p], marker="o", ms=3) for p in names] + [Line2D([], [], color="k", lw=0.8)]
+    labels = [{"h2o": "H2O (paper)", "local": "Local"}.get(p, p) for p in names] + ["full cache"]
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8)
     fig.suptitle(f"{Path(result['meta']['model']).name}: quality vs KV budget", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -20,7 +20,7 @@ PROMPTS = [
     "{gpl}\n\nThe three freedoms this licence protects are",
 ]
 #: The policy shown beside the full cache (h2o_vllm.tools.bench: "h2o" or a score mode).
-RECOMMENDED = "window+sinks"
+RECOMMENDED = "window+pool"
 
 
 def _gpl_excerpt(words: int = 350) -> str:
