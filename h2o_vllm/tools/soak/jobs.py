@@ -21,6 +21,7 @@ BUDGETS: list[dict | None] = [
     {"h2o_heavy_ratio": 0.3, "h2o_recent_ratio": 0.2, "h2o_interval": 16},
     {"h2o_heavy_tokens": 32, "h2o_recent_ratio": 0.1, "h2o_interval": 7},
     {"h2o_heavy_ratio": 0.0, "h2o_recent_tokens": 24},
+    {"h2o_obs_window": 32, "h2o_pool_kernel": 15},             # the recommended score mode
     {"h2o_heavy_tokens": 1024, "h2o_recent_tokens": 1024},    # above every length: never evicts
 ]
 #: A per-request value the server must refuse with HTTP 400 (interval must be >= 1).
