@@ -115,9 +115,8 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
     parts = " + ".join(f"{name}={value}" for name, value in (
         ("sinks", budget.sinks), ("heavy", budget.heavy), ("recent", budget.recent),
         ("interval", budget.interval)) if value or name != "sinks")
-    floor = h2o.floor_tokens()
-    floor_note = (f" (recent includes the min_tokens floor of {floor}: --h2o-min-tokens)"
-                  if floor > h2o.part_budget("heavy", 1) + h2o.part_budget("recent", 1) + budget.sinks else "")
+    floor_note = (f" (recent includes the min_tokens floor of {h2o.floor_tokens()}: --h2o-min-tokens)"
+                  if budget.recent > h2o.part_budget("recent", 1) else "")
     raise ValueError(
         f"the H2O budget does not fit max_model_len={max_model_len}: the first compaction needs "
         f"{parts} = {needed} tokens{floor_note}, so H2O would never evict. Lower "

@@ -34,7 +34,7 @@ class DueGroup:
     sinks: int
     heavy: int
     target: int
-    pool: int = 1
+    pool: int
 
 
 @dataclass(frozen=True)

@@ -154,13 +154,19 @@ def test_peak_kv_len_is_the_largest_step(prompt_len, max_new, heavy, recent, int
 # --------------------------------------------------------------------------- select_keep
 
 
-def _reference_keep(row: list[float], heavy: int, recent: int) -> list[int]:
+def _reference_keep(row: list[float], heavy: int, recent: int, sinks: int = 0, pool: int = 1) -> list[int]:
+    """Sinks first, then the paper's pick (highest first, ties to the more recent token) on each
+    candidate's best score within pool // 2 candidates of it (candidates: between the sinks and
+    the recent window)."""
     n = len(row)
-    num_recent = min(recent, n)
-    older = list(range(n - num_recent))
-    # Highest score first; among equal scores the more recent (larger index) token first.
-    ranked = sorted(older, key=lambda t: (-row[t], -t))
-    return sorted(ranked[:heavy]) + list(range(n - num_recent, n))
+    num_sinks = min(sinks, n)
+    num_recent = min(recent, n - num_sinks)
+    candidates = list(range(num_sinks, n - num_recent))
+    half = pool // 2
+    rank = {t: max(row[u] for u in candidates[max(0, i - half): i + half + 1])
+            for i, t in enumerate(candidates)}
+    ranked = sorted(candidates, key=lambda t: (-rank[t], -t))
+    return list(range(num_sinks)) + sorted(ranked[:heavy]) + list(range(n - num_recent, n))
 
 
 # Few distinct values, so ties are frequent; plus arbitrary finite fp32 values.
@@ -263,20 +269,6 @@ def test_select_keep_does_not_modify_scores():
 
 
 
-def _reference_keep_pooled(row: list[float], heavy: int, recent: int, sinks: int, pool: int) -> list[int]:
-    """Sinks first, then the paper's pick on each candidate's best score within pool // 2
-    candidates of it (candidates: between the sinks and the recent window)."""
-    n = len(row)
-    num_sinks = min(sinks, n)
-    num_recent = min(recent, n - num_sinks)
-    candidates = list(range(num_sinks, n - num_recent))
-    half = pool // 2
-    rank = {t: max(row[u] for u in candidates[max(0, i - half): i + half + 1])
-            for i, t in enumerate(candidates)}
-    ranked = sorted(candidates, key=lambda t: (-rank[t], -t))
-    return list(range(num_sinks)) + sorted(ranked[:heavy]) + list(range(n - num_recent, n))
-
-
 @settings(max_examples=300, deadline=None)
 @given(scores=score_batches(), heavy=st.integers(0, 30), recent=st.integers(0, 30),
        sinks=st.integers(0, 6), pool=st.sampled_from([1, 3, 5, 15]))
@@ -287,7 +279,7 @@ def test_select_keep_sinks_and_pooling(scores, heavy, recent, sinks, pool):
     num_heads = math.prod(scores.shape[:-1])
     for row, kept in zip(scores.reshape(num_heads, n).tolist(),
                          keep.reshape(num_heads, keep.shape[-1]).tolist()):
-        assert kept == _reference_keep_pooled(row, heavy, recent, sinks, pool)
+        assert kept == _reference_keep(row, heavy, recent, sinks, pool)
 
 
 def test_pooling_keeps_the_neighbours_of_a_peak():
