@@ -30,10 +30,21 @@ def announce_backend(backend: str, how: str) -> None:
         logging.getLogger("vllm.h2o_vllm").info("h2o: attention backend %s (%s)", backend, how)
 
 
-def with_step(metadata_cls, metadata, step: H2OStep | None):
+def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
     """vLLM's metadata as the device's H2O subclass (its ``h2o`` field: the step or None)."""
     return metadata_cls(**{f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)},
-                        h2o=step)
+                        h2o=step, **device_fields)
+
+
+def check_fusable(num_heads: int, unsupported: dict[str, bool]) -> None:
+    """H2O's attention computes plain causal softmax attention over an unquantised cache;
+    ``unsupported`` names what a layer has (True) that would give wrong outputs or scores. The
+    engine-args checks (h2o_vllm.frontend.conflicts, cuda_config) refuse these before the model
+    loads; this is the backstop for a layer that slips through."""
+    found = [what for what, bad in unsupported.items() if bad]
+    if found:
+        raise NotImplementedError(f"H2O's fused attention does not support {', '.join(found)}"
+                                  f" (layer with {num_heads} heads): turn H2O off")
 
 
 class H2OBuilderMixin:
@@ -51,7 +62,17 @@ class H2OBuilderMixin:
         plan = step_plan.current() if self.h2o is not None else None
         if plan is not None:
             cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops)
-        return with_step(self.metadata_cls, super().build(common_prefix_len, cm, fast_build), step)
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        return with_step(self.metadata_cls, metadata, step,
+                         **(self.device_fields(cm, step) if step is not None else {}))
+
+    def device_fields(self, cm, step: H2OStep) -> dict:
+        """Fields of the device's metadata subclass besides ``h2o``, built once per step."""
+        return {}
+
+    def stock_build(self, cm):
+        """vLLM's own builder over ``cm`` (no H2O step)."""
+        return super().build(0, cm)
 
 
 class H2OImplMixin:
@@ -87,8 +108,8 @@ class H2OImplMixin:
             self.records = torch.zeros_like(scores)
         if self.fuses_scores:
             prepare_scores(step, scores, self.records)  # what the fused pass adds to
-            self._fused_attention(scoring_step(step), query, views, scores, attn_metadata,
-                                  output, output_scale, output_block_scale)
+            self._fused_attention(layer, scoring_step(step), query, kv_cache, views, scores,
+                                  attn_metadata, output, output_scale, output_block_scale)
         else:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
@@ -98,14 +119,21 @@ class H2OImplMixin:
             self._mass.push(mass)
         return output
 
-    #: Whether ``_fused_attention`` replaces vLLM's attention and the score pass (the CUDA
-    #: path, worker/cuda/backend.py); else vLLM's attention runs, then the device's accumulate.
+    #: Whether ``_fused_attention`` replaces vLLM's attention and the score pass (CUDA: one
+    #: kernel; CPU: vLLM's kernel for the decode rows only, H2O's for the rest); else vLLM's
+    #: attention runs, then the device's accumulate.
     fuses_scores = False
 
-    def _fused_attention(self, step: H2OStep, query, views, scores, attn_metadata, output,
-                         output_scale, output_block_scale) -> None:
+    def _fused_attention(self, layer, step: H2OStep, query, kv_cache, views, scores,
+                         attn_metadata, output, output_scale, output_block_scale) -> None:
         """Attention output and this step's scores in one pass (``step``: what to score)."""
         raise NotImplementedError
+
+    def stock_forward(self, layer, query, kv_cache, attn_metadata, output, output_scale=None,
+                      output_block_scale=None):
+        """vLLM's own attention over ``attn_metadata`` (K/V already written)."""
+        return super().forward(layer, query, None, None, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
 
     def _scores_like(self, views) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, _ = views.keys.shape

@@ -187,6 +187,11 @@ def prepare_scores(step: H2OStep, scores: torch.Tensor, records: torch.Tensor | 
         prefix_cache.init_hit_scores(step.prefix, scores, records)
 
 
+def zero_new_slots(step: H2OStep, scores: torch.Tensor) -> None:
+    """A slot's score starts when its K/V is written (slots are reused across requests)."""
+    scores[step.new_blocks, :, step.new_offsets] = 0.0
+
+
 def scoring_step(step: H2OStep) -> H2OStep:
     """The step the attention pass scores (fused or not): the step itself, or with the rows
     that write score records masked out (``worker.prefix``: they are scored in phases)."""
@@ -213,7 +218,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     """
     prefix = step.prefix
     if not accumulated:
-        scores[step.new_blocks, :, step.new_offsets] = 0.0
+        zero_new_slots(step, scores)
         prepare_scores(step, scores, records)
         ops.accumulate(scoring_step(step), query, views, scores, scale)
     if prefix is not None:

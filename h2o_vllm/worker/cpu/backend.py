@@ -2,17 +2,21 @@
 
 Runs in the worker process; registered over ``CPU_ATTN`` in every process. With H2O off (no
 ``h2o`` key in ``additional_config``) the builder and impl do exactly what the stock ones do.
+With H2O on, rows with several queries (prompts, prefill chunks) are attended by H2O's torch
+attention, whose probabilities also give their scores (``prefill.py``); vLLM's kernel attends
+the decode rows alone, and their scores are recomputed (``scores.py``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.v1.attention.backend import MultipleOf
+import torch
+from vllm.v1.attention.backend import AttentionType, MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
-from h2o_vllm.vllm_hooks.cpu_attention import use_readable_isa
-from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend
+from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata, use_readable_isa
+from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
 from h2o_vllm.worker.cpu.ops import CPUOps
 from h2o_vllm.worker.step import H2OStep
 
@@ -40,6 +44,9 @@ class H2OCPUAttentionBackend(CPUAttentionBackend):
 class H2OCPUAttentionMetadata(CPUAttentionMetadata):
     # None when H2O is off or outside a real step: the impl then behaves as stock vLLM.
     h2o: H2OStep | None = None
+    # vLLM's metadata of the decode rows alone, on a step that also has rows with several
+    # queries (else None: vLLM's kernel runs the batch as built, or not at all).
+    decode: CPUAttentionMetadata | None = None
 
 
 class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
@@ -50,9 +57,42 @@ class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if self.h2o is not None:
             isa = use_readable_isa(self, layer_names)
-            announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention, ISA {isa}, "
-                             "with H2O's torch scores and compaction")
+            announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention (ISA {isa}) for "
+                             "decode rows, H2O's torch attention and scores for prefill rows")
+
+    def device_fields(self, cm, step: H2OStep) -> dict:
+        if step.decode_rows is None or step.prefill_rows is None:
+            return {}
+        return {"decode": self.stock_build(decode_rows_metadata(cm, step.decode_rows, step.decode_tokens))}
 
 
 class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
     ops = CPUOps()
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.h2o is not None:
+            check_fusable(self.num_heads, {
+                "ALiBi": self.alibi_slopes is not None,
+                f"sliding window {self.sliding_window}": self.sliding_window not in (-1, None),
+                f"logit soft-capping {self.logits_soft_cap}": bool(self.logits_soft_cap),
+                "attention sinks": self.sinks is not None,
+                f"quantised KV cache {self.kv_cache_dtype}": self.is_fp8_kv_cache,
+                f"attention type {self.attn_type}": self.attn_type != AttentionType.DECODER,
+            })
+            self.fuses_scores = True
+
+    def _fused_attention(self, layer, step, query, kv_cache, views, scores, attn_metadata,
+                         output, output_scale, output_block_scale) -> None:
+        num_tokens = attn_metadata.num_actual_tokens
+        out = output[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
+        if step.prefill_rows is None:  # decode rows only: vLLM's kernel over the batch as built
+            self.stock_forward(layer, query, kv_cache, attn_metadata, output, output_scale,
+                               output_block_scale)
+        elif step.decode_rows is not None:
+            tokens = step.decode_tokens
+            decode_out = torch.empty_like(out[tokens])
+            self.stock_forward(layer, query[tokens], kv_cache, attn_metadata.decode, decode_out,
+                               output_scale, output_block_scale)
+            out[tokens] = decode_out
+        self.ops.attend(step, query, views, out, scores, self.scale)

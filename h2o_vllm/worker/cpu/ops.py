@@ -1,7 +1,9 @@
-"""The CPU's ``DeviceOps``: its cache layout, torch score accumulation, torch compaction.
+"""The CPU's ``DeviceOps``: its cache layout, torch attention and scores, torch compaction.
 
 Runs in the worker process. Keys are read in the cache's own layout (``layout.py``); the
 decode rows' key blocks are indexed once per step (``DecodeIndex``) and every layer reuses it.
+Rows with several queries get their attention and scores from one softmax (``prefill.py``);
+decode rows keep vLLM's kernel, and their probabilities are recomputed (``scores.py``).
 Compaction is the kernels' plain-torch twin, which takes strided views as they are.
 """
 from __future__ import annotations
@@ -10,9 +12,9 @@ import torch
 
 from h2o_vllm.kernels import twins
 from h2o_vllm.worker.cpu.layout import CacheViews, cache_views
-from h2o_vllm.worker.cpu.scores import (DecodeIndex, accumulate_decode_scores_at,
-                                        accumulate_prefill_scores, decode_index)
-from h2o_vllm.worker.step import H2OStep
+from h2o_vllm.worker.cpu.prefill import prefill_attention
+from h2o_vllm.worker.cpu.scores import DecodeIndex, accumulate_decode_scores_at, decode_index
+from h2o_vllm.worker.step import H2OStep, zero_new_slots
 
 
 class CPUOps:
@@ -26,24 +28,44 @@ class CPUOps:
         return decode_index(step.block_table[rows], step.plan.kv_seq_lens[rows], block_size,
                             weighted=step.score_scale is not None)
 
+    def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
+               scores: torch.Tensor, scale: float) -> None:
+        """The prefill rows' attention output into ``out`` and the step's scores (new slots
+        zeroed first), after vLLM's kernel has attended the decode rows alone. Replaces the
+        zeroing and ``accumulate`` in ``update_scores_and_compact``.
+        query, out: [>= num_tokens, num_q_heads, head_size]."""
+        zero_new_slots(step, scores)
+        self._decode_scores(step, query, views, scores, scale)
+        self._prefill_rows(step, query, views, scores, scale, out)
+
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,
                    scores: torch.Tensor, scale: float) -> None:
+        self._decode_scores(step, query, views, scores, scale)
+        self._prefill_rows(step, query, views, scores, scale, None)
+
+    def _decode_scores(self, step: H2OStep, query, views: CacheViews, scores, scale: float) -> None:
+        if step.device_index is None:
+            return
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
-        if step.device_index is not None:
-            tokens, rows = step.decode_tokens, step.decode_rows
-            accumulate_decode_scores_at(query[tokens], views.key_blocks, scores,
-                                        step.device_index, scale,
-                                        None if weights is None else weights[tokens],
-                                        None if factors is None else factors[rows])
+        tokens, rows = step.decode_tokens, step.decode_rows
+        accumulate_decode_scores_at(query[tokens], views.key_blocks, scores, step.device_index, scale,
+                                    None if weights is None else weights[tokens],
+                                    None if factors is None else factors[rows])
+
+    def _prefill_rows(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
+                      out: torch.Tensor | None) -> None:
+        """Scores of the rows with several queries, and their attention output unless out is None."""
         if step.prefill_rows is None:
             return
-        plan = step.plan
+        plan, weights, factors = step.plan, step.query_weight, step.score_scale
         for row in step.prefill_rows.tolist():
             start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
-            accumulate_prefill_scores(query[start:start + q_len], views.key_blocks, scores,
-                                      step.block_table[row], int(plan.kv_seq_lens[row]), scale,
-                                      None if weights is None else weights[start:start + q_len],
-                                      None if factors is None else factors[row])
+            tokens = slice(start, start + q_len)
+            prefill_attention(query[tokens], views.key_blocks, views.values, scores,
+                              step.block_table[row], int(plan.kv_seq_lens[row]), scale,
+                              None if out is None else out[tokens],
+                              None if weights is None else weights[tokens],
+                              None if factors is None else factors[row])
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
-"""H2O score accumulation in torch: the probabilities this step's queries gave each live key.
+"""H2O score accumulation of decode rows in torch: the probabilities each row's one query gave
+each live key. (Rows with several queries: ``prefill.py``.)
 
-Runs in the worker process. The stock CPU kernel returns no probabilities, so they are
-recomputed here against the same live keys (fp32), summed over each KV head's query group
+Runs in the worker process. The stock CPU kernel returns no probabilities, so a decode row's
+are recomputed here against the same live keys (fp32), summed over each KV head's query group
 and added into the layer's score buffer (ARCHITECTURE.md, "Score").
 Keys are read whole blocks at a time in the cache's own layout (``layout.py``: K transposed,
 [num_blocks, num_kv_heads, head_size, block_size]) and scores are added per block with
@@ -18,11 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Upper bound on one prefill chunk's fp32 logits (elements): about 64 MiB.
-_PREFILL_CHUNK_ELEMENTS = 16 * 1024 * 1024
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
+def as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
@@ -54,7 +51,7 @@ def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_siz
                        live_blocks=live_blocks, live_rows=live_rows)
 
 
-def _scale_blocks(scores: torch.Tensor, blocks: torch.Tensor, factor: torch.Tensor) -> None:
+def scale_blocks(scores: torch.Tensor, blocks: torch.Tensor, factor: torch.Tensor) -> None:
     """scores[blocks[i]] *= factor[i] (blocks distinct), in place; scores may be a strided view."""
     scores.index_copy_(0, blocks, scores.index_select(0, blocks) * factor[:, None, None])
 
@@ -86,9 +83,9 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
     num_rows, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
     num_row_blocks = index.blocks.shape[0] // num_rows
-    k = _fp32(key_blocks.index_select(0, index.blocks))
+    k = as_fp32(key_blocks.index_select(0, index.blocks))
     k = k.view(num_rows, num_row_blocks, num_kv_heads, head_size, block_size)
-    q = _fp32(query).view(num_rows, 1, num_kv_heads, num_heads // num_kv_heads, head_size)
+    q = as_fp32(query).view(num_rows, 1, num_kv_heads, num_heads // num_kv_heads, head_size)
     logits = torch.matmul(q, k)                                     # [R, nb, Hkv, G, bs]
     logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
     logits.mul_(scale).masked_fill_(index.padding, float("-inf"))
@@ -97,38 +94,5 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
         if index.live_blocks is None:
             raise ValueError("a weighted decode step needs decode_index(..., weighted=True)")
         probs.mul_(query_weight[:, None, None, None])
-        _scale_blocks(scores, index.live_blocks, score_scale[index.live_rows])
+        scale_blocks(scores, index.live_blocks, score_scale[index.live_rows])
     scores.index_add_(0, index.blocks, probs.transpose(1, 2).reshape(-1, num_kv_heads, block_size))
-
-
-def accumulate_prefill_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
-                              block_table_row: torch.Tensor, kv_seq_len: int, scale: float,
-                              query_weight: torch.Tensor | None = None,
-                              score_scale: torch.Tensor | None = None) -> None:
-    """Several causal queries of one row (a prompt or a chunk of it), in query chunks.
-
-    query: [q_len, num_heads, head_size], the row's last q_len KV positions; key_blocks and
-    scores as in ``accumulate_decode_scores``. Never holds more than one chunk of logits.
-    Weighted (both or neither): query_weight [q_len] fp32, score_scale the row's factor (0-dim).
-    """
-    q_len, num_heads, head_size = query.shape
-    num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
-    num_row_blocks = (kv_seq_len + block_size - 1) // block_size
-    blocks = block_table_row[:num_row_blocks].long()
-    k = _fp32(key_blocks[blocks]).permute(1, 2, 0, 3).reshape(num_kv_heads, head_size, -1)  # [Hkv, D, L']
-    q = _fp32(query).view(q_len, num_kv_heads, num_heads // num_kv_heads, head_size)
-    key_pos = torch.arange(k.shape[-1])
-    total = torch.zeros(num_kv_heads, k.shape[-1])
-    chunk = max(1, _PREFILL_CHUNK_ELEMENTS // (num_heads * k.shape[-1]))
-    for start in range(0, q_len, chunk):
-        qc = q[start:start + chunk]
-        query_pos = kv_seq_len - q_len + start + torch.arange(qc.shape[0])
-        logits = torch.einsum("chgd,hdl->hgcl", qc, k).mul_(scale)
-        logits.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        probs = logits.softmax(dim=-1)                              # [Hkv, G, chunk, L']
-        if query_weight is not None:
-            probs.mul_(query_weight[start:start + chunk, None])
-        total += probs.sum(dim=(1, 2))
-    if score_scale is not None:  # blocks: this row's live blocks, each once
-        _scale_blocks(scores, blocks, score_scale.expand(num_row_blocks))
-    scores.index_add_(0, blocks, total.view(num_kv_heads, num_row_blocks, block_size).transpose(0, 1))

@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, Trit
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from h2o_vllm.config import h2o_config
-from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend
+from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
 from h2o_vllm.worker.cuda.ops import TritonOps
 from h2o_vllm.worker.step import H2OStep
 
@@ -79,25 +79,17 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
             self.fuses_scores = True
 
     def _check_fusable(self) -> None:
-        """H2O's fused attention computes plain causal softmax attention over an unquantised
-        cache; anything else would give wrong outputs or wrong scores. The engine-args checks
-        (h2o_vllm.frontend.conflicts, cuda_config) refuse these before the model loads; this
-        is the backstop for a layer that slips through."""
-        unsupported = {
+        check_fusable(self.num_heads, {
             "ALiBi": self.alibi_slopes is not None,
             f"sliding window {self.sliding_window}": tuple(self.sliding_window) != (-1, -1),
             f"logit soft-capping {self.logits_soft_cap}": bool(self.logits_soft_cap),
             "attention sinks": self.sinks is not None,
             f"quantised KV cache {self.kv_cache_dtype}": is_quantized_kv_cache(self.kv_cache_dtype),
             f"attention type {self.attn_type}": self.attn_type != AttentionType.DECODER,
-        }
-        found = [what for what, bad in unsupported.items() if bad]
-        if found:
-            raise NotImplementedError(f"H2O's fused attention does not support {', '.join(found)}"
-                                      f" (layer with {self.num_heads} heads): turn H2O off")
+        })
 
-    def _fused_attention(self, step, query, views, scores, attn_metadata, output,
-                         output_scale, output_block_scale) -> None:
+    def _fused_attention(self, layer, step, query, kv_cache, views, scores, attn_metadata,
+                         output, output_scale, output_block_scale) -> None:
         # Replaces unified_attention and the score pass: one kernel reads K and V once for
         # both (h2o_vllm.kernels.attention; docs/cuda.md, "Fused attention").
         if output_scale is not None or output_block_scale is not None:

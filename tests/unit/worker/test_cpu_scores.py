@@ -1,4 +1,4 @@
-"""worker.cpu.scores (the CPU path's torch score accumulation, on the CPU backend's cache
+"""worker.cpu.scores and worker.cpu.prefill (the CPU path's torch score accumulation and prefill attention, on the CPU backend's cache
 layout) against the kernels' torch twins, unweighted and weighted, decode and prefill.
 
 The block table is as vLLM leaves it: a short row's entries past its length are stale and
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from h2o_vllm.kernels import twins
+from h2o_vllm.worker.cpu import prefill as cpu_prefill
 from h2o_vllm.worker.cpu import scores as cpu_scores
 from h2o_vllm.worker.cpu.layout import cache_views
 
@@ -51,21 +52,47 @@ def test_decode_scores_match_the_twin(weighted):
     assert torch.equal(scores[[0, 5]], expected[[0, 5]])  # blocks no row holds: untouched
 
 
+def _reference_attention(query, views, row, q_len):
+    """Plain causal softmax attention of a row's last q_len positions, from the cache."""
+    pos = torch.arange(KV_LENS[row])
+    blocks, offsets = TABLE[row].long()[pos // BLOCK], pos % BLOCK
+    keys = views.keys[blocks, offsets].repeat_interleave(GROUP, dim=1)      # [L, Hq, D]
+    values = views.values[blocks, offsets].repeat_interleave(GROUP, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", query, keys) * SCALE
+    first = KV_LENS[row] - q_len
+    logits.masked_fill_(pos[None, None, :] > (first + torch.arange(q_len))[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), values)
+
+
+@pytest.mark.parametrize("tile", [128, 4, 5], ids=lambda t: f"tile{t}")
+@pytest.mark.parametrize("with_out", [False, True], ids=["scores", "attention"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
-def test_prefill_scores_match_the_twin(weighted):
+def test_prefill_rows_match_the_twin(weighted, with_out, tile, monkeypatch):
+    """Scores (and the attention output) of rows with several queries, across tile borders:
+    a tile of 4 or 5 queries splits every row, with diagonal tiles at every offset."""
+    monkeypatch.setattr(cpu_prefill, "TILE", tile)
     q_lens = [5, 12, 17]  # a whole prompt, a later chunk (28 earlier keys), a whole prompt
     views, scores, query, weights = _setup(q_lens, weighted)
+    if weighted:  # an observation window: the first queries weigh 0
+        weights["query_weight"][:7] = 0.0
     expected = scores.clone()
     starts = torch.tensor([0] + q_lens).cumsum(0)
     twins.accumulate_prefill_scores(query, views.keys.contiguous(), TABLE,
                                     starts.to(torch.int32), torch.tensor(KV_LENS, dtype=torch.int32),
                                     expected, SCALE, **weights)
+    out = torch.full_like(query, float("nan"))
     for row, (start, q_len) in enumerate(zip(starts.tolist(), q_lens)):
         row_weights = {} if not weighted else dict(
             query_weight=weights["query_weight"][start:start + q_len],
             score_scale=weights["score_scale"][row])
-        cpu_scores.accumulate_prefill_scores(query[start:start + q_len], views.key_blocks, scores,
-                                             TABLE[row], KV_LENS[row], SCALE, **row_weights)
+        cpu_prefill.prefill_attention(query[start:start + q_len], views.key_blocks, views.values,
+                                      scores, TABLE[row], KV_LENS[row], SCALE,
+                                      out=out[start:start + q_len] if with_out else None, **row_weights)
     for row in range(3):
         torch.testing.assert_close(_live(scores, row), _live(expected, row), rtol=1e-5, atol=1e-6)
     assert torch.equal(scores[[0, 5]], expected[[0, 5]])
+    if with_out:
+        for row, (start, q_len) in enumerate(zip(starts.tolist(), q_lens)):
+            torch.testing.assert_close(out[start:start + q_len],
+                                       _reference_attention(query[start:start + q_len], views, row, q_len),
+                                       rtol=1e-5, atol=1e-5)
