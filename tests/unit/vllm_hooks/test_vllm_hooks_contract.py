@@ -527,3 +527,17 @@ def test_triton_builder_reads_the_softmax_segment_count_from_its_module():
     assert isinstance(module.NUM_PAR_SOFTMAX_SEGMENTS, int)
     source = inspect.getsource(module.TritonAttentionMetadataBuilder.__init__)
     assert "self.num_par_softmax_segments = NUM_PAR_SOFTMAX_SEGMENTS" in source
+
+
+def test_the_cpu_builder_reads_only_what_decode_rows_metadata_cuts_down():
+    """``vllm_hooks.cpu_attention.decode_rows_metadata`` indexes the per-row and per-token
+    fields and drops the batch-wide ones; vLLM's CPU builder must read no other field of
+    ``CommonAttentionMetadata`` (one it did would describe the whole batch, not the decode rows)."""
+    source = inspect.getsource(_resolve(f"{_CPU_ATTN}:CPUAttentionMetadataBuilder.build")[1])
+    read = set(re.findall(r"common_attn_metadata\.(\w+)", source))
+    cut_down = {"query_start_loc", "seq_lens", "num_reqs", "num_actual_tokens", "max_query_len",
+                "max_seq_len", "block_table_tensor", "slot_mapping", "positions"}
+    assert read - {"causal"} <= cut_down, f"the CPU builder now reads {sorted(read - cut_down)}"
+    from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata
+    rebuilt = set(re.findall(r"(\w+)=", inspect.getsource(decode_rows_metadata)))
+    assert cut_down <= rebuilt <= _fields("vllm.v1.attention.backend:CommonAttentionMetadata") | {"dtype"}
