@@ -1,7 +1,9 @@
 """GPU cost of H2O's per-layer work on the CUDA path (h2o_vllm.worker.step with the Triton
 ops, h2o_vllm.worker.cuda.ops.TritonOps), without an engine.
 
-Per layer and step, with CUDA events, for decode batches (compacting or not) and a prompt:
+Per layer and step, with CUDA events, for decode batches (compacting or not) and prompts of
+2,048 and 6,000 tokens, paper H2O and with a 32-query observation window (whose score pass
+starts at the window: ``H2OStep.prefill_first_scored``):
 
 - ``plain_attention_ms``: this project's attention kernel with the score work compiled out
   (``kernels.h2o_attention`` without scores): the yardstick of the issue's goal.
@@ -70,7 +72,8 @@ def _vllm_attention():
         return None, f"{type(e).__name__}: {e}"
 
 
-def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype, reps):
+def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype, reps,
+         obs_window=None):
     t = lambda v: torch.full((rows,), v, dtype=torch.int64)  # noqa: E731
     if q_len > 1:  # a whole prompt, budget above it: no compaction
         computed, prompt, budget = 0, q_len, kv_len
@@ -79,7 +82,8 @@ def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype,
         budget = kv_len - (block if due else block // 2)
         start = max(prompt, budget + block)
         computed = start + (block - 1 if due else block // 2 - 1)
-    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block)] * rows
+    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block,
+                      obs_window=obs_window)] * rows
     plan = make_step_plan(t(computed), t(q_len), t(prompt), budgets)
     assert plan.kv_seq_lens.tolist() == [kv_len] * rows and bool(plan.due.all()) == due
     blocks_per_row = -(-kv_len // block)
@@ -113,7 +117,7 @@ def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype,
 
     result = {"rows": rows, "kv_len": kv_len, "q_len": q_len, "num_kv_heads": num_kv_heads,
               "group": group, "head_size": head_size, "block_size": block,
-              "dtype": str(dtype).replace("torch.", ""), "compacted": due,
+              "dtype": str(dtype).replace("torch.", ""), "compacted": due, "obs_window": obs_window,
               "plain_attention_ms": _time_ms(plain, reps),
               "h2o_fused_ms": _time_ms(fused, reps)}
     vllm_attention, why = _vllm_attention()
@@ -146,15 +150,17 @@ def main() -> None:
     a = p.parse_args()
     if a.tiny:
         shape = dict(num_kv_heads=2, group=2, head_size=32, block=16, dtype=torch.float32, reps=1)
-        sizes = [(2, 40, 1, False), (2, 40, 1, True), (1, 24, 24, False)]
+        sizes = [(2, 40, 1, False, None), (2, 40, 1, True, None), (1, 24, 24, False, None),
+                 (1, 24, 24, False, 8)]
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU (or --tiny)"
         # Llama-3-8B-like layer; the issue's shapes.
         shape = dict(num_kv_heads=8, group=4, head_size=128, block=16, dtype=torch.bfloat16,
                      reps=a.reps)
-        sizes = [(64, 1024, 1, False), (64, 1024, 1, True), (256, 512, 1, False),
-                 (256, 512, 1, True), (1, 2048, 2048, False)]
-    results = [case(rows, kv, q, due=due, **shape) for rows, kv, q, due in sizes]
+        sizes = [(64, 1024, 1, False, None), (64, 1024, 1, True, None), (256, 512, 1, False, None),
+                 (256, 512, 1, True, None), (1, 2048, 2048, False, None), (1, 2048, 2048, False, 32),
+                 (1, 6000, 6000, False, None), (1, 6000, 6000, False, 32)]
+    results = [case(rows, kv, q, due=due, obs_window=w, **shape) for rows, kv, q, due, w in sizes]
     doc = {"device": "cpu (TRITON_INTERPRET=1, --tiny)" if a.tiny else torch.cuda.get_device_name(),
            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "cases": results}

@@ -4,8 +4,9 @@ Runs in the process that builds the engine config, from the engine-args hook
 (``vllm_hooks.install_engine_args_hook``), only when H2O is on and the platform is CUDA.
 ``adjust_engine_args`` settles what the user left to vLLM's defaults (each change logged at
 WARNING) and refuses what the user asked for explicitly and H2O cannot run with;
-``check_vllm_config`` verifies the built config. The CPU path never comes here: there vLLM
-always runs the V1 runner, synchronously, without CUDA graphs.
+``check_vllm_config`` verifies the built config. On the CPU only its runner check applies:
+vLLM runs the V1 runner there unless ``VLLM_USE_V2_MODEL_RUNNER`` asks for V2 (which needs
+Triton: ``H2O_VLLM_TRITON_ON_CPU``), synchronously, without CUDA graphs.
 
 Why each setting:
 - Backend: H2O's builder and impl live in ``H2OTritonAttentionBackend``, registered as
@@ -93,12 +94,14 @@ def _choose_backend(args: Any, where: str) -> None:
 
 
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
-    """After vLLM built its config: the resolved runner, graphs and cache dtype."""
+    """After vLLM built its config: the resolved runner (every platform: on the V2 runner no
+    step plan reaches the builders, and H2O would be silently off), graphs and cache dtype."""
+    if vllm_config.use_v2_model_runner:
+        raise ValueError("vLLM chose its V2 model runner (VLLM_USE_V2_MODEL_RUNNER, or a feature "
+                         "that requires it), which H2O KV eviction does not support yet: it would "
+                         f"run without eviction. Set {V2_ENV}=0, {_OFF}")
     if not (_platform_is_cuda() if is_cuda is None else is_cuda):
         return
-    if vllm_config.use_v2_model_runner:
-        raise ValueError("vLLM chose its V2 model runner (a feature that requires it is on), "
-                         f"which H2O KV eviction does not support yet. Set {V2_ENV}=0, {_OFF}")
     compilation = vllm_config.compilation_config
     mode = compilation.cudagraph_mode
     if mode is not None and mode.has_full_cudagraphs():

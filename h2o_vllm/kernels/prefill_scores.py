@@ -65,7 +65,7 @@ def prefill_lse_kernel(
 @triton.jit
 def accumulate_prefill_scores_kernel(
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores, query_weight,
-        score_scale, scale_log2,
+        score_scale, first_scored, scale_log2,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -94,6 +94,8 @@ def accumulate_prefill_scores_kernel(
     acc = tl.zeros([BLOCK_N], tl.float32)
     # Queries j < n0 - ctx_len see none of these keys (causal): start at the first that can.
     first = tl.maximum(n0 - ctx_len, 0) * GROUP
+    if WEIGHTED:  # queries before the row's first of nonzero weight add nothing: skip them
+        first = tl.maximum(first, tl.load(first_scored + row) * GROUP)
     for m0 in range((first // BLOCK_M) * BLOCK_M, q_len * GROUP, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < q_len * GROUP
@@ -162,6 +164,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               max_query_len: int | None = None, max_kv_len: int | None = None,
                               query_weight: torch.Tensor | None = None,
                               score_scale: torch.Tensor | None = None,
+                              first_scored: torch.Tensor | None = None,
                               block_m: int = 64, block_n: int = 64) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t].
@@ -170,6 +173,8 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     score_scale [num_rows]; scores of every live t of a row become score_scale[row] * scores
     + sum over its queries q of query_weight[q] * (q's group sum). A separately compiled
     variant: the unweighted kernel is unchanged, and prefill_lse is the same for both.
+    first_scored (weighted only, int32 [num_rows], optional): each row's first query of nonzero
+    weight (``H2OStep.prefill_first_scored``); pass 2 starts there (an observation window).
 
     query: [num_tokens, num_q_heads, head_size] packed by query_start_loc [num_rows + 1] int32;
     kv_seq_lens [num_rows] int32 counts this step's tokens (already in the cache), so a row may
@@ -186,7 +191,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     accumulate_prefill_scores_from_lse(query, key_cache, block_table, query_start_loc,
                                        kv_seq_lens, lse, scores, scale, max_kv_len=max_kv_len,
                                        query_weight=query_weight, score_scale=score_scale,
-                                       block_m=block_m, block_n=block_n)
+                                       first_scored=first_scored, block_m=block_m, block_n=block_n)
 
 
 def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Tensor,
@@ -197,6 +202,7 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
                                        query_weight: torch.Tensor | None = None,
                                        score_scale: torch.Tensor | None = None,
                                        fresh_new_slots: bool = False,
+                                       first_scored: torch.Tensor | None = None,
                                        block_m: int = 64, block_n: int = 64) -> None:
     """Pass 2 of accumulate_prefill_scores, given each (query, query head)'s causal
     log-sum-exp lse [num_tokens, num_q_heads] fp32 (natural log, indexed like query): from
@@ -204,7 +210,8 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
     it anyway. One program per KV tile reads its K once; QK^T is computed once.
 
     fresh_new_slots: the scores of this step's slots (each row's last q_len positions) are
-    taken as 0 instead of read, so the caller need not zero them first (the fused path)."""
+    taken as 0 instead of read, so the caller need not zero them first (the fused path).
+    first_scored: as in ``accumulate_prefill_scores``."""
     check_paged("key_cache", key_cache, block_table, scores)
     check_tile(block_m=block_m, block_n=block_n)
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
@@ -219,6 +226,12 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
                          f"got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
     # query_weight's length is query_start_loc[-1], on the device: not checked (no sync).
     weighted = check_weights(query_weight, 0, score_scale, num_rows, key_cache.device)
+    if first_scored is None:
+        first_scored = torch.zeros(num_rows if weighted else 1, dtype=torch.int32, device=key_cache.device)
+    elif not weighted:
+        raise ValueError("first_scored needs query_weight and score_scale")
+    else:
+        check_lens("first_scored", first_scored, num_rows, key_cache.device)
     if max_kv_len is None:
         max_kv_len = int(kv_seq_lens.max()) if num_rows else 0
     if num_rows == 0 or max_kv_len == 0:
@@ -227,7 +240,7 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
     accumulate_prefill_scores_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores,
         query_weight if weighted else scores, score_scale if weighted else scores,  # unread
-        float(scale) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
+        first_scored, float(scale) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1), scores.stride(2),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,

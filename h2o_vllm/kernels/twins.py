@@ -82,14 +82,21 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               block_table: torch.Tensor, query_start_loc: torch.Tensor,
                               kv_seq_lens: torch.Tensor, scores: torch.Tensor, scale: float, *,
                               query_weight: torch.Tensor | None = None,
-                              score_scale: torch.Tensor | None = None, **_tiles: int) -> None:
+                              score_scale: torch.Tensor | None = None,
+                              first_scored: torch.Tensor | None = None, **_tiles: int) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t]; kv_seq_lens includes this step's tokens.
 
     Weighted (query_weight [num_tokens] indexed like query, score_scale [num_rows]): each
-    live t first becomes score_scale[row] * scores, then adds query_weight[q] * q's group sum."""
+    live t first becomes score_scale[row] * scores, then adds query_weight[q] * q's group sum.
+    first_scored (weighted only, [num_rows]): a row's queries before it are left out."""
     if (query_weight is None) != (score_scale is None):
         raise ValueError("query_weight and score_scale go together: give both or neither")
+    if first_scored is not None:
+        query_weight = query_weight.clone()
+        for row, first in enumerate(first_scored.tolist()):
+            start = int(query_start_loc[row])
+            query_weight[start:start + first] = 0.0
     for row in range(query_start_loc.shape[0] - 1):
         start, end = int(query_start_loc[row]), int(query_start_loc[row + 1])
         kv_len = int(kv_seq_lens[row])

@@ -60,6 +60,10 @@ class H2OStep:
     # (decode_tokens, prefill_tokens), score_scale by row (decode_rows, prefill_rows).
     query_weight: torch.Tensor | None = None   # [num_tokens] fp32
     score_scale: torch.Tensor | None = None    # [num_rows] fp32
+    # Weighted steps: per prefill row, its first query of nonzero weight (q_len if none); the
+    # queries before it add nothing to the scores, so score passes start there (an observation
+    # window scores its last queries only). int32 [P], device; None on an unweighted step.
+    prefill_first_scored: torch.Tensor | None = None
     # Prefix caching (worker.prefix): this step's hit scores, record phases, fresh blocks; and
     # the table due rows compact through (block_table unless a row compacts into fresh blocks).
     prefix: PrefixStep | None = None
@@ -156,7 +160,20 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
         prefill_tokens=prefill_tokens, prefill_query_start_loc=prefill_qsl,
         max_prefill_query_len=max_q, max_prefill_kv_len=max_kv,
         due=_due_groups(plan, table, block_size), compact_table=table,
-        query_weight=_fp32_to(plan.query_weights, device), score_scale=_fp32_to(plan.score_scale, device))
+        query_weight=_fp32_to(plan.query_weights, device), score_scale=_fp32_to(plan.score_scale, device),
+        prefill_first_scored=_first_scored(plan, prefill, device))
+
+
+def _first_scored(plan: StepPlan, prefill: torch.Tensor, device) -> torch.Tensor | None:
+    """``H2OStep.prefill_first_scored`` from the plan's weights (host tensors: no device sync)."""
+    if plan.query_weights is None or not prefill.numel():
+        return None
+    firsts = []
+    for row in prefill.tolist():
+        start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
+        scored = plan.query_weights[start:start + q_len].nonzero()
+        firsts.append(int(scored[0]) if scored.numel() else q_len)
+    return _to(torch.tensor(firsts), device, torch.int32)
 
 
 def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:

@@ -86,3 +86,34 @@ def test_prefix_serving_benchmark_runs(tiny_llama_dir, tmp_path):
     assert h2o["score_record_bytes"] == h2o["score_record_tokens"] * 4 * shape["num_layers"] * shape["num_kv_heads"]
     # The record pool holds at most one fp32 per KV slot per (layer, KV head).
     assert 0 < h2o["score_record_fraction_of_kv"] <= 2 / (shape["head_dim"] * 4)
+
+
+def test_prefill_cost_benchmark_runs(tiny_llama_dir, tmp_path):
+    """Stock and paper H2O, each against its own server: vLLM's bench serve completes every
+    request at each length and load, and the table carries H2O's TTFT as a ratio of stock's."""
+    out = tmp_path / "prefill"
+    _load("prefill_cost").main([
+        "--model", str(tiny_llama_dir), "--sides", "stock,h2o", "--lengths", "96", "--output-len", "8",
+        "--single-prompts", "1", "--concurrent-prompts", "2", "--concurrency", "2",
+        "--omp-threads", "1", "--out", str(out)])
+    saved = json.loads((out / "prefill_cost.json").read_text())
+    assert (out / "prefill_cost.png").stat().st_size > 0
+    for side in saved["sides"].values():
+        assert [(r["prompt_len"], r["load"]) for r in side["runs"]] == [(96, "single"), (96, "concurrent2")]
+        assert all(r["completed"] == r["num_prompts"] and r["failed"] == 0 for r in side["runs"])
+    assert "--kv-eviction" in saved["sides"]["h2o"]["serve_flags"]
+    for row in saved["rows"]:
+        h2o, stock = row["sides"]["h2o"], row["sides"]["stock"]
+        assert h2o["ttft_vs_stock"] == pytest.approx(h2o["mean_ttft_ms"] / stock["mean_ttft_ms"])
+    assert (out / "prefill_cost.md").read_text().count("\n") == 4
+
+
+def test_prefill_profile_runs(tiny_llama_dir, tmp_path):
+    """Every part of an H2O prefill is timed and the parts add up to the wall time."""
+    out = tmp_path / "profile"
+    results = _load("prefill_profile").main([
+        "--model", str(tiny_llama_dir), "--configs", "h2o:0.2", "--prompt-len", "96", "--out", str(out)])
+    parts = results[0]["parts_s"]
+    assert parts["H2O attention + scores"] > 0 and parts["H2O compaction"] > 0
+    assert sum(parts.values()) == pytest.approx(results[0]["wall_s"])
+    assert json.loads((out / "prefill_profile.json").read_text())["results"] == results

@@ -58,14 +58,16 @@ class CPUOps:
         if step.prefill_rows is None:
             return
         plan, weights, factors = step.plan, step.query_weight, step.score_scale
-        for row in step.prefill_rows.tolist():
+        firsts = None if step.prefill_first_scored is None else step.prefill_first_scored.tolist()
+        for i, row in enumerate(step.prefill_rows.tolist()):
             start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
             tokens = slice(start, start + q_len)
             prefill_attention(query[tokens], views.key_blocks, views.values, scores,
                               step.block_table[row], int(plan.kv_seq_lens[row]), scale,
                               None if out is None else out[tokens],
                               None if weights is None else weights[tokens],
-                              None if factors is None else factors[row])
+                              None if factors is None else factors[row],
+                              0 if firsts is None else firsts[i])
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

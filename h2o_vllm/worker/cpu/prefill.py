@@ -29,7 +29,7 @@ TILE = 128
 def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor | None,
                       scores: torch.Tensor, blocks: torch.Tensor, kv_seq_len: int, scale: float,
                       out: torch.Tensor | None = None, query_weight: torch.Tensor | None = None,
-                      score_scale: torch.Tensor | None = None) -> None:
+                      score_scale: torch.Tensor | None = None, first_scored: int = 0) -> None:
     """One row: ``query`` [q_len, num_heads, head_size] sits at the row's last q_len KV
     positions and attends causally over its first ``kv_seq_len`` keys.
 
@@ -39,6 +39,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
     first cdiv(kv_seq_len, block_size) entries are read). out: [q_len, num_heads, head_size]
     or None for the scores alone. Weighted (both or neither): query_weight [q_len] fp32,
     score_scale the row's factor (0-dim): scores = score_scale * scores + sum_i w_i * p_i.
+    first_scored: queries before it weigh 0 (``H2OStep.prefill_first_scored``); without out
+    they are not computed at all.
     """
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
@@ -46,10 +48,7 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
     num_row_blocks = -(-kv_seq_len // block_size)
     blocks = blocks[:num_row_blocks].long()
     first = kv_seq_len - q_len  # KV position of the row's first query
-    start = 0
-    if out is None and query_weight is not None:
-        nonzero = query_weight.nonzero()
-        start = int(nonzero[0]) if nonzero.numel() else q_len
+    start = 0 if out is not None else first_scored
     total = torch.zeros(num_kv_heads, num_row_blocks * block_size)
     if start < q_len:
         keys = as_fp32(key_blocks[blocks]).permute(1, 2, 0, 3).reshape(num_kv_heads, head_size, -1)
@@ -70,6 +69,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
                 tile_out = torch.matmul(probs, values[:, :end]).mul_(inv_sum)
                 out[s:e] = tile_out.view(num_kv_heads, n, group, head_size).transpose(0, 1).reshape(
                     n, num_heads, head_size).to(out.dtype)
+            if e <= first_scored:
+                continue
             weight = inv_sum.view(num_kv_heads, n, group)
             if query_weight is not None:
                 weight = weight * query_weight[s:e, None]

@@ -68,7 +68,8 @@ class TritonOps:
             kernels.accumulate_prefill_scores_from_lse(
                 q, views.keys, step.block_table[rows], step.prefill_query_start_loc,
                 step.kv_seq_lens[rows], q_lse, scores, scale, max_kv_len=step.max_prefill_kv_len,
-                query_weight=w, score_scale=_take(factors, rows), fresh_new_slots=True)
+                query_weight=w, score_scale=_take(factors, rows), fresh_new_slots=True,
+                first_scored=step.prefill_first_scored)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                    scores: torch.Tensor, scale: float) -> None:
@@ -87,7 +88,7 @@ class TritonOps:
                 q, views.keys, step.block_table[rows], step.prefill_query_start_loc,
                 step.kv_seq_lens[rows], scores, scale,
                 max_query_len=step.max_prefill_query_len, max_kv_len=step.max_prefill_kv_len,
-                query_weight=w, score_scale=_take(factors, rows))
+                query_weight=w, score_scale=_take(factors, rows), first_scored=step.prefill_first_scored)
 
     def compact(self, views: TritonCacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

@@ -19,8 +19,8 @@ def test_tiny_run_times_every_path(tmp_path):
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
-    assert [(c["q_len"] > 1, c["compacted"]) for c in cases] == [(False, False), (False, True),
-                                                                 (True, False)]
+    assert [(c["q_len"] > 1, c["compacted"], c["obs_window"]) for c in cases] == [
+        (False, False, None), (False, True, None), (True, False, None), (True, False, 8)]
     for c in cases:
         for key in ("plain_attention_ms", "h2o_fused_ms", "vllm_attention_ms", "h2o_unfused_ms"):
             assert c[key] > 0, (key, c)

@@ -71,7 +71,7 @@ def test_cuda_config_leaves_other_platforms_alone(monkeypatch):
     args = _engine_args()
     before = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
     cuda_config.adjust_engine_args(args, is_cuda=False)
-    cuda_config.check_vllm_config(SimpleNamespace(use_v2_model_runner=True), is_cuda=False)
+    cuda_config.check_vllm_config(SimpleNamespace(use_v2_model_runner=False), is_cuda=False)
     assert cuda_config.V2_ENV not in os.environ
     assert (dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))) == before
 
@@ -110,3 +110,13 @@ def test_v1_runner_follows_the_env_var(monkeypatch):
     prop = VllmConfig.__dict__["use_v2_model_runner"]
     getter = getattr(prop, "fget", None) or getattr(prop, "func")
     assert getter(stand_in) is False
+
+
+@pytest.mark.parametrize("is_cuda", [False, True], ids=["cpu", "cuda"])
+def test_the_v2_runner_is_refused_on_every_platform(is_cuda):
+    """On the V2 runner no step plan reaches the builders: H2O would run silently off (issue
+    25: the CPU V2 runner under H2O_VLLM_TRITON_ON_CPU gave stock tokens). Refused until the
+    runner hook covers V2."""
+    from h2o_vllm.frontend import cuda_config
+    with pytest.raises(ValueError, match="V2 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        cuda_config.check_vllm_config(SimpleNamespace(use_v2_model_runner=True), is_cuda=is_cuda)

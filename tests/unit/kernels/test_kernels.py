@@ -75,6 +75,30 @@ def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, d
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
 
+def test_prefill_scores_start_at_each_rows_first_scored_query():
+    """first_scored (an observation window's start): the queries before it are left out of
+    pass 2, even where their weights are not 0, and a row with none left keeps its old scores
+    but still decays them."""
+    head_size, group, block_size, dtype = 64, 3, 16, torch.float32
+    q_lens, kv_lens = zip(*PREFILL_ROWS)
+    key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
+    query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
+    query_start_loc = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    args = (query, key_cache, block_table, query_start_loc, int32(kv_lens))
+    weights = dict(query_weight=torch.rand(sum(q_lens), device=DEVICE) + 0.5,
+                   score_scale=torch.rand(len(q_lens), device=DEVICE) + 0.5,
+                   first_scored=int32([2, 20, 37, 1]))
+    expected = scores.clone()
+    twins.accumulate_prefill_scores(*args, expected, 0.125, **weights)
+    prefill_scores.accumulate_prefill_scores(*args, scores, 0.125, block_m=16, block_n=16, **weights)
+    torch.testing.assert_close(scores, expected, **TOL[dtype])
+    all_queries = scores.clone()
+    prefill_scores.accumulate_prefill_scores(*args, all_queries, 0.125, block_m=16, block_n=16,
+                                             query_weight=weights["query_weight"],
+                                             score_scale=weights["score_scale"])
+    assert not torch.allclose(all_queries, scores)
+
+
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_unit_weights_are_the_plain_kernels_bit_for_bit(decode):
     """Weights 1 and factors 1 (paper rows in a weighted batch) change no bit: the weighted

@@ -84,7 +84,8 @@ def test_prefill_rows_match_the_twin(weighted, with_out, tile, monkeypatch):
     for row, (start, q_len) in enumerate(zip(starts.tolist(), q_lens)):
         row_weights = {} if not weighted else dict(
             query_weight=weights["query_weight"][start:start + q_len],
-            score_scale=weights["score_scale"][row])
+            score_scale=weights["score_scale"][row],
+            first_scored=min(q_len, max(0, 7 - start)))
         cpu_prefill.prefill_attention(query[start:start + q_len], views.key_blocks, views.values,
                                       scores, TABLE[row], KV_LENS[row], SCALE,
                                       out=out[start:start + q_len] if with_out else None, **row_weights)
