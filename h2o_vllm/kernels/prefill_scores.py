@@ -94,8 +94,10 @@ def accumulate_prefill_scores_kernel(
     acc = tl.zeros([BLOCK_N], tl.float32)
     # Queries j < n0 - ctx_len see none of these keys (causal): start at the first that can.
     first = tl.maximum(n0 - ctx_len, 0) * GROUP
-    if WEIGHTED:  # queries before the row's first of nonzero weight add nothing: skip them
-        first = tl.maximum(first, tl.load(first_scored + row) * GROUP)
+    first_weighted = 0
+    if WEIGHTED:  # queries before the row's first scored one add nothing: skip their tiles
+        first_weighted = tl.load(first_scored + row) * GROUP
+        first = tl.maximum(first, first_weighted)
     for m0 in range((first // BLOCK_M) * BLOCK_M, q_len * GROUP, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < q_len * GROUP
@@ -112,6 +114,7 @@ def accumulate_prefill_scores_kernel(
         p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
         if WEIGHTED:
             w = tl.load(query_weight + (q_start + tok).to(tl.int64), mask=m_mask, other=0.0)
+            w = tl.where(offs_m >= first_weighted, w, 0.0)  # the first tile's earlier queries
             p = p * w[:, None]
         acc += tl.sum(p, axis=0)
     ptr = scores + blk * stride_sb + kv_head * stride_sh + (offs_n % block_size) * stride_ss
