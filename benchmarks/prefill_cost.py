@@ -23,11 +23,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -221,22 +218,11 @@ def main(argv=None) -> dict:
     out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}" / "prefill-cost")
     for sub in ("logs", "bench"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    from h2o_vllm.tools import models
-    if args.model:
-        model, model_name = args.model, Path(args.model).name
-    elif args.tiny:
-        model = str(models.build_tiny_llama(tempfile.mkdtemp(prefix="h2o-prefill-tiny-")))
-        model_name = "tiny-llama (h2o_vllm.tools.models.build_tiny_llama)"
-    else:
-        model, model_name = str(models.smollm2_dir()), "SmolLM2-135M-Instruct"
+    model, model_name = server.served_model(args.model, args.tiny, "h2o-prefill-tiny-")
     longest = max(int(n) for n in args.lengths.split(","))
     max_model_len = -(-(longest + args.output_len + 64) // args.block_size) * args.block_size
     report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
-        "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
-        "loadavg_before": os.getloadavg(),
-        "command": " ".join([Path(sys.argv[0]).name if argv is None else "prefill_cost.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
+        **server.run_header("prefill_cost.py", argv),
         "model": model, "model_name": model_name, "max_model_len": max_model_len,
         "args": vars(args), "sides": {},
     }

@@ -28,12 +28,9 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -295,14 +292,7 @@ def main(argv=None) -> dict:
     out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}" / "prefix-serving")
     for sub in ("logs", "bench"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    from h2o_vllm.tools import models
-    if args.model:
-        model, model_name = args.model, Path(args.model).name
-    elif args.tiny:
-        model = str(models.build_tiny_llama(tempfile.mkdtemp(prefix="h2o-prefix-tiny-")))
-        model_name = "tiny-llama (h2o_vllm.tools.models.build_tiny_llama)"
-    else:
-        model, model_name = str(models.smollm2_dir()), "SmolLM2-135M-Instruct"
+    model, model_name = server.served_model(args.model, args.tiny, "h2o-prefix-tiny-")
     shape = model_shape(model)
     seq = args.prefix_len + args.suffix_len + args.output_len
     if args.max_model_len is None:
@@ -311,11 +301,7 @@ def main(argv=None) -> dict:
         args.num_blocks = (args.max_concurrency * cdiv(seq, args.block_size)
                            + args.num_prefixes * (args.prefix_len // args.block_size))
     report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
-        "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
-        "loadavg_before": os.getloadavg(),
-        "command": " ".join([Path(sys.argv[0]).name if argv is None else "prefix_serving.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
+        **server.run_header("prefix_serving.py", argv),
         "model": model, "model_name": model_name, "model_shape": shape,
         "num_blocks": args.num_blocks, "kv_tokens": args.num_blocks * args.block_size,
         "kv_pool_bytes": kv_pool_bytes(args, shape), "args": vars(args), "sides": {},

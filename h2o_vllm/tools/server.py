@@ -1,5 +1,6 @@
 """An `h2o-vllm serve` subprocess for the benchmark scripts (client side, never the runtime).
 
+``served_model`` and ``run_header`` are the served benchmarks' shared set-up.
 ``start_server`` launches ``h2o-vllm serve MODEL --host 127.0.0.1 --port <free port> FLAGS...``
 in its own process group (API server, engine core and worker all in it), its output in a log
 file, and waits for ``/health``; ``stop_server`` ends the whole group (SIGTERM, then SIGKILL
@@ -8,11 +9,14 @@ after 30 s). Used by ``benchmarks/soak.py`` (and through it ``keepalive_race.py`
 """
 from __future__ import annotations
 
+import datetime
 import os
+import platform
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,3 +74,24 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def served_model(model: str | None, tiny: bool, tmp_prefix: str) -> tuple[str, str]:
+    """(model directory, name for reports): ``--model``, else a fresh tiny random Llama with
+    ``--tiny``, else the offline SmolLM2-135M-Instruct."""
+    from h2o_vllm.tools import models
+    if model:
+        return model, Path(model).name
+    if tiny:
+        return (str(models.build_tiny_llama(tempfile.mkdtemp(prefix=tmp_prefix))),
+                "tiny-llama (h2o_vllm.tools.models.build_tiny_llama)")
+    return str(models.smollm2_dir()), "SmolLM2-135M-Instruct"
+
+
+def run_header(script: str, argv: Sequence[str] | None) -> dict:
+    """When, where and how a served benchmark ran: the head of its JSON report."""
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
+            "cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(),
+            "loadavg_before": os.getloadavg(),
+            "command": " ".join([Path(sys.argv[0]).name if argv is None else script,
+                                 *(sys.argv[1:] if argv is None else argv)])}
