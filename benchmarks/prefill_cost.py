@@ -20,10 +20,8 @@ logs in ``logs/``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -211,13 +209,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or set(sides) - set(SIDES):
-        raise SystemExit(f"--sides: a comma list of {', '.join(SIDES)}, got {args.sides!r}")
-    host = socket.gethostname()
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}" / "prefill-cost")
-    for sub in ("logs", "bench"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    sides = server.sides_of(args.sides, SIDES)
+    out = server.results_subdir(args.out, __file__, "prefill-cost")
     model, model_name = server.served_model(args.model, args.tiny, "h2o-prefill-tiny-")
     longest = max(int(n) for n in args.lengths.split(","))
     max_model_len = -(-(longest + args.output_len + 64) // args.block_size) * args.block_size

@@ -25,11 +25,9 @@ README table) and ``prefix_serving.png`` into ``benchmarks/results/<date>-<host>
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -285,13 +283,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not sides or set(sides) - set(SIDES):
-        raise SystemExit(f"--sides: a comma list of {', '.join(SIDES)}, got {args.sides!r}")
-    host = socket.gethostname()
-    out = Path(args.out or Path(__file__).parent / "results" / f"{datetime.date.today()}-{host}" / "prefix-serving")
-    for sub in ("logs", "bench"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    sides = server.sides_of(args.sides, SIDES)
+    out = server.results_subdir(args.out, __file__, "prefix-serving")
     model, model_name = server.served_model(args.model, args.tiny, "h2o-prefix-tiny-")
     shape = model_shape(model)
     seq = args.prefix_len + args.suffix_len + args.output_len

@@ -1,6 +1,7 @@
 """An `h2o-vllm serve` subprocess for the benchmark scripts (client side, never the runtime).
 
-``served_model`` and ``run_header`` are the served benchmarks' shared set-up.
+``served_model``, ``run_header``, ``sides_of`` and ``results_subdir`` are the served
+benchmarks' shared set-up.
 ``start_server`` launches ``h2o-vllm serve MODEL --host 127.0.0.1 --port <free port> FLAGS...``
 in its own process group (API server, engine core and worker all in it), its output in a log
 file, and waits for ``/health``; ``stop_server`` ends the whole group (SIGTERM, then SIGKILL
@@ -95,3 +96,20 @@ def run_header(script: str, argv: Sequence[str] | None) -> dict:
             "loadavg_before": os.getloadavg(),
             "command": " ".join([Path(sys.argv[0]).name if argv is None else script,
                                  *(sys.argv[1:] if argv is None else argv)])}
+
+
+def sides_of(spec: str, known) -> list[str]:
+    """``--sides``: a comma list of names from ``known``, in the given order."""
+    sides = [side.strip() for side in spec.split(",") if side.strip()]
+    if not sides or set(sides) - set(known):
+        raise SystemExit(f"--sides: a comma list of {', '.join(known)}, got {spec!r}")
+    return sides
+
+
+def results_subdir(out: str | None, script: str, name: str) -> Path:
+    """``--out`` or ``benchmarks/results/<date>-<host>/<name>/`` beside ``script``, with its
+    ``logs/`` and ``bench/`` (vLLM's bench JSONs)."""
+    path = Path(out or Path(script).parent / "results" / f"{datetime.date.today()}-{socket.gethostname()}" / name)
+    for sub in ("logs", "bench"):
+        (path / sub).mkdir(parents=True, exist_ok=True)
+    return path
