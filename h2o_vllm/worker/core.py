@@ -13,6 +13,7 @@ import logging
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
 
 from h2o_vllm.config import h2o_config
 from h2o_vllm.worker import plan as step_plan
@@ -36,15 +37,24 @@ def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
                         h2o=step, **device_fields)
 
 
-def check_fusable(num_heads: int, unsupported: dict[str, bool]) -> None:
-    """H2O's attention computes plain causal softmax attention over an unquantised cache;
-    ``unsupported`` names what a layer has (True) that would give wrong outputs or scores. The
+def check_fusable(impl, sliding_window: bool, quantised_cache: bool) -> None:
+    """H2O's attention computes plain causal softmax attention over an unquantised cache; a
+    layer (``impl``, vLLM's attention impl) with anything else would get wrong outputs or
+    scores. The devices differ only in how they store the window and the cache dtype. The
     engine-args checks (h2o_vllm.frontend.conflicts, cuda_config) refuse these before the model
     loads; this is the backstop for a layer that slips through."""
+    unsupported = {
+        "ALiBi": impl.alibi_slopes is not None,
+        f"sliding window {impl.sliding_window}": sliding_window,
+        f"logit soft-capping {impl.logits_soft_cap}": bool(impl.logits_soft_cap),
+        "attention sinks": impl.sinks is not None,
+        f"quantised KV cache {impl.kv_cache_dtype}": quantised_cache,
+        f"attention type {impl.attn_type}": impl.attn_type != AttentionType.DECODER,
+    }
     found = [what for what, bad in unsupported.items() if bad]
     if found:
         raise NotImplementedError(f"H2O's fused attention does not support {', '.join(found)}"
-                                  f" (layer with {num_heads} heads): turn H2O off")
+                                  f" (layer with {impl.num_heads} heads): turn H2O off")
 
 
 class H2OBuilderMixin:

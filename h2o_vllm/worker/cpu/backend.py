@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionType, MultipleOf
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
@@ -72,14 +72,8 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.h2o is not None:
-            check_fusable(self.num_heads, {
-                "ALiBi": self.alibi_slopes is not None,
-                f"sliding window {self.sliding_window}": self.sliding_window not in (-1, None),
-                f"logit soft-capping {self.logits_soft_cap}": bool(self.logits_soft_cap),
-                "attention sinks": self.sinks is not None,
-                f"quantised KV cache {self.kv_cache_dtype}": self.is_fp8_kv_cache,
-                f"attention type {self.attn_type}": self.attn_type != AttentionType.DECODER,
-            })
+            check_fusable(self, sliding_window=self.sliding_window not in (-1, None),
+                          quantised_cache=self.is_fp8_kv_cache)
             self.fuses_scores = True
 
     def _fused_attention(self, layer, step, query, kv_cache, views, scores, attn_metadata,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
                                                     TritonAttentionMetadata,
                                                     TritonAttentionMetadataBuilder)
@@ -79,14 +79,8 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
             self.fuses_scores = True
 
     def _check_fusable(self) -> None:
-        check_fusable(self.num_heads, {
-            "ALiBi": self.alibi_slopes is not None,
-            f"sliding window {self.sliding_window}": tuple(self.sliding_window) != (-1, -1),
-            f"logit soft-capping {self.logits_soft_cap}": bool(self.logits_soft_cap),
-            "attention sinks": self.sinks is not None,
-            f"quantised KV cache {self.kv_cache_dtype}": is_quantized_kv_cache(self.kv_cache_dtype),
-            f"attention type {self.attn_type}": self.attn_type != AttentionType.DECODER,
-        })
+        check_fusable(self, sliding_window=tuple(self.sliding_window) != (-1, -1),
+                      quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype))
 
     def _fused_attention(self, layer, step, query, kv_cache, views, scores, attn_metadata,
                          output, output_scale, output_block_scale) -> None:
