@@ -116,7 +116,7 @@ BENCH=("$PY" -m h2o_vllm.frontend.cli bench throughput --model "$MODELS/llama-8b
        --load-format dummy --dtype bfloat16 --dataset-name random
        --random-input-len "$IN_LEN" --random-output-len "$OUT_LEN" --num-prompts "$NUM_PROMPTS"
        --max-model-len $(( IN_LEN + OUT_LEN + 512 )) --block-size 16
-       --num-gpu-blocks-override "$BLOCKS" --no-enable-prefix-caching --no-async-scheduling
+       --num-gpu-blocks-override "$BLOCKS" --no-enable-prefix-caching
        --seed 0 "${BUNDLE_ARGS[@]}")
 
 # 1. Triton kernels and the CUDA step, compiled for the GPU (the tests CI runs interpreted).

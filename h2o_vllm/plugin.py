@@ -23,6 +23,7 @@ def register() -> None:
     vllm_hooks.register_kv_cache_spec()
     vllm_hooks.install_engine_args_hook()
     vllm_hooks.install_runner_hook()
+    vllm_hooks.install_runner_v2_hook()
     vllm_hooks.install_scheduler_hook()
     vllm_hooks.install_cli_flags_hook()
     vllm_hooks.install_request_validation_hook()

@@ -11,8 +11,8 @@ import copy
 import json
 import sys
 
-# FlashInfer's sampler and the V2 model runner need compiled extensions the bundle lacks
-# (H2O itself also requires the V1 runner: docs/cuda.md).
+# FlashInfer's sampler and the V2 model runner need compiled extensions the bundle lacks (H2O
+# runs on either runner; an installed vLLM runs its defaults, V2 included: docs/cuda.md).
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 # Eager: CUDA graphs need ``weak_ref_tensor`` from the compiled extension. custom_ops "none":
 # every CustomOp runs its forward_native. ir_op_priority: vLLM's native RMS norms first (the

@@ -45,12 +45,6 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     pp = getattr(parallel, "pipeline_parallel_size", 1) if parallel is not None else 1
     if pp > 1:
         _refuse_pipeline_parallel(pp)
-    scheduler = getattr(vllm_config, "scheduler_config", None)
-    if scheduler is not None and getattr(scheduler, "async_scheduling", False):
-        raise ValueError(
-            "async scheduling (--async-scheduling) cannot be combined with H2O KV eviction: the "
-            "scheduler must see each step's compaction before it schedules the next. Pass "
-            f"--no-async-scheduling, {_OFF}")
     model = getattr(vllm_config, "model_config", None)
     if model is not None:
         check_model(model)

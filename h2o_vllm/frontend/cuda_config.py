@@ -1,33 +1,28 @@
-"""CUDA-only engine settings for H2O: the backend, the model runner, async scheduling, CUDA graphs.
+"""CUDA-only engine settings for H2O: the backend and CUDA graphs.
 
 Runs in the process that builds the engine config, from the engine-args hook
 (``vllm_hooks.install_engine_args_hook``), only when H2O is on and the platform is CUDA.
 ``adjust_engine_args`` settles what the user left to vLLM's defaults (each change logged at
 WARNING) and refuses what the user asked for explicitly and H2O cannot run with;
-``check_vllm_config`` verifies the built config. On the CPU only its runner check applies:
-vLLM runs the V1 runner there unless ``VLLM_USE_V2_MODEL_RUNNER`` asks for V2 (which needs
-Triton: ``H2O_VLLM_TRITON_ON_CPU``), synchronously, without CUDA graphs.
+``check_vllm_config`` verifies the built config. vLLM's other defaults stand with H2O on:
+its model runner (V2 on CUDA; V1 on the CPU unless ``VLLM_USE_V2_MODEL_RUNNER=1`` under
+``H2O_VLLM_TRITON_ON_CPU``), each with its runner hook (``vllm_hooks.runner``,
+``vllm_hooks.runner_v2``); and async scheduling, since H2O's scheduler accounts each step's
+compaction when it schedules the step (``scheduler.step.cut_scheduled``).
 
 Why each setting:
 - Backend: H2O's builder and impl live in ``H2OTritonAttentionBackend``, registered as
   ``AttentionBackendEnum.CUSTOM`` (plugin.py); vLLM only picks it when asked.
-- Runner: the runner hook (vllm_hooks) is written for the V1 ``GPUModelRunner``; vLLM 0.32
-  uses the V2 runner on CUDA by default (``VllmConfig.use_v2_model_runner`` reads
-  ``VLLM_USE_V2_MODEL_RUNNER``, env var first). Set to 0 here, before any config is built
-  and before the engine-core and worker processes are started (they inherit the environment).
-- Async scheduling: the scheduler must see each step's compaction before it schedules the next.
 - CUDA graphs: the step plan changes in Python every step, so attention must stay out of
   graphs: PIECEWISE (attention is one of the splitting ops) or none (--enforce-eager).
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 logger = logging.getLogger("h2o_vllm")
 
-V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
 
 
@@ -47,21 +42,6 @@ def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
         return
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
-
-    v2 = os.environ.get(V2_ENV)
-    if v2 is not None and v2.strip().lower() in ("1", "true"):
-        raise ValueError(f"{V2_ENV}={v2} cannot be combined with H2O KV eviction: its runner hook "
-                         f"is written for vLLM's V1 model runner. Unset {V2_ENV}, {_OFF}")
-    if v2 is None:
-        logger.warning("h2o: using vLLM's V1 model runner on CUDA (%s=0): H2O's runner hook "
-                       "supplies each step's plan to the V1 GPUModelRunner", V2_ENV)
-        os.environ[V2_ENV] = "0"
-
-    if args.async_scheduling is None:
-        logger.warning("h2o: async scheduling is turned off because H2O KV eviction is on (the "
-                       "scheduler must see each step's compaction before the next step)")
-        args.async_scheduling = False
-    # An explicit --async-scheduling is refused by conflicts.check_vllm_config.
 
     if isinstance(args.compilation_config, dict):
         args.compilation_config = CompilationConfig(**args.compilation_config)
@@ -94,12 +74,7 @@ def _choose_backend(args: Any, where: str) -> None:
 
 
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
-    """After vLLM built its config: the resolved runner (every platform: on the V2 runner no
-    step plan reaches the builders, and H2O would be silently off), graphs and cache dtype."""
-    if vllm_config.use_v2_model_runner:
-        raise ValueError("vLLM chose its V2 model runner (VLLM_USE_V2_MODEL_RUNNER, or a feature "
-                         "that requires it), which H2O KV eviction does not support yet: it would "
-                         f"run without eviction. Set {V2_ENV}=0, {_OFF}")
+    """After vLLM built its config: graphs and cache dtype."""
     if not (_platform_is_cuda() if is_cuda is None else is_cuda):
         return
     compilation = vllm_config.compilation_config

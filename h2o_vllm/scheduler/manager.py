@@ -55,15 +55,31 @@ class H2OManager(FullAttentionManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        if num_prompt_tokens is None:
-            return
+        """vLLM's own calls (processed-token basis) find nothing to do: H2O cuts a request's
+        blocks when it schedules the step that compacts them (``cut_scheduled``)."""
+
+    def cut_scheduled(self, request_id: str, num_computed_tokens: int, num_prompt_tokens: int) -> None:
+        """Right after ``schedule`` has counted a step's tokens (``num_computed_tokens``, vLLM's
+        optimistic count): the request's blocks become what the step's compaction leaves,
+        and the tail goes back to the pool at once.
+
+        Why at schedule time: the workers truncate their block-table row while they run the
+        step, and under async scheduling the next step is scheduled before this one's output
+        is processed; block lists cut any later would disagree with the workers' by then.
+        Why the tail may be freed before the step has run: a block handed out again is first
+        written by a later step, which runs after this one (one CUDA stream; one worker
+        thread on the CPU), as vLLM relies on when it frees a finished request's blocks.
+        """
         budget = self.budgets.resolve(request_id, num_prompt_tokens)
-        kv_len = kv_len_after(processed_computed_tokens, num_prompt_tokens, budget)
-        self.num_evicted[request_id] = processed_computed_tokens - kv_len
+        kv_len = kv_len_after(num_computed_tokens, num_prompt_tokens, budget)
+        evicted, previous = num_computed_tokens - kv_len, self.num_evicted.get(request_id, 0)
+        self.num_evicted[request_id] = evicted
+        if evicted == previous:
+            return  # nothing compacted since the last cut
         blocks = self.req_to_blocks.get(request_id)
         num_keep = cdiv(kv_len, self.block_size)
-        fresh = self.fresh.pop(request_id, None) if kv_len < processed_computed_tokens else None
-        if fresh is not None:  # the first compaction wrote into these: the row becomes them
+        fresh = self.fresh.pop(request_id, None)
+        if fresh is not None:  # the first compaction writes into these: the row becomes them
             tail, blocks[:] = blocks[::-1], fresh
             self.block_pool.free_blocks(tail)
             self.num_freed_blocks += len(tail) - len(fresh)
@@ -76,8 +92,8 @@ class H2OManager(FullAttentionManager):
         self.block_pool.free_blocks(reversed(tail))
         self.num_freed_blocks += len(tail)
         logger.debug("h2o: request %s at %d tokens keeps %d in KV space (%d evicted), freed %d "
-                     "blocks, holds %d", request_id, processed_computed_tokens, kv_len,
-                     self.num_evicted[request_id], len(tail), len(blocks))
+                     "blocks, holds %d", request_id, num_computed_tokens, kv_len, evicted,
+                     len(tail), len(blocks))
 
     def admission_headroom(self, request, num_new_tokens: int, max_model_len: int) -> int:
         """Free blocks to keep beyond what admitting ``request`` allocates now (vLLM adds it to

@@ -28,19 +28,20 @@ def finish_request(managers: Sequence[H2OManager], request_id: str) -> None:
         manager.prompt_lens.pop(request_id, None)
 
 
-def free_compacted_tails(kv_cache_manager, running: Iterable) -> None:
-    """Free every running request's compacted tail as soon as its step is processed.
+def cut_scheduled(managers: Sequence[H2OManager], scheduler_output, requests) -> None:
+    """At the end of ``schedule``: each scheduled request's blocks become what its step's
+    compaction leaves (``H2OManager.cut_scheduled``), before the next step is scheduled,
+    whether or not this one's output has been processed (async scheduling).
 
-    vLLM frees skipped blocks lazily, in ``allocate_slots``, one request at a time while it
-    walks the running queue; a request earlier in the queue that needs a block then preempts
-    the newest one, the very prompt whose compaction was about to free most of the pool.
-    Same call, same processed-token basis, only earlier. (Alone it took one overload run from
-    50 preemptions to 46; the admission headroom took it to 0.)
+    Freeing at once also keeps admissions honest: vLLM frees skipped blocks lazily, in
+    ``allocate_slots``, one request at a time while it walks the running queue; a request
+    earlier in the queue that needs a block then preempts the newest one, the very prompt
+    whose compaction was about to free most of the pool.
     """
-    for request in running:
-        kv_cache_manager.remove_skipped_blocks(
-            request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
-            num_prompt_tokens=request.num_prompt_tokens)
+    for req_id in scheduler_output.num_scheduled_tokens:
+        request = requests[req_id]
+        for manager in managers:
+            manager.cut_scheduled(req_id, request.num_computed_tokens, request.num_prompt_tokens)
 
 
 def admission_watermark(managers: Sequence[H2OManager], base: int, request, num_new_tokens: int,

@@ -16,6 +16,16 @@ and version-guard helpers every hook module uses.
   ``H2OManager`` freeing their tail blocks at the next schedule.
   Upstream: patches/0001-attn-metadata-request-context.patch. Remove when every supported
   vLLM passes request context to builders.
+- ``install_runner_v2_hook`` (module ``runner_v2``) does the same on Model Runner V2
+  (vllm/v1/worker/gpu/model_runner.py, the CUDA default; on the CPU with
+  ``VLLM_USE_V2_MODEL_RUNNER=1`` under ``H2O_VLLM_TRITON_ON_CPU``): it wraps
+  ``GPUModelRunner.add_requests`` (each request's budget from its sampling params),
+  ``update_requests`` (prefix-cache orders; rows that compacted into fresh blocks rewritten
+  with ``BlockTables.block_tables[g].stage_write`` and ``num_blocks``), ``prepare_attn`` (the
+  step plan from the ``InputBatch`` and ``RequestState.prompt_len``, armed for the builders;
+  compacted rows' ``BlockTables.num_blocks`` cut) and ``get_kv_cache_spec``, and
+  ``DefaultModelState.prepare_attn`` (the builders run with the armed plan current).
+  Why and upstream: as for V1. Remove with the V1 hook.
 - ``install_runner_hook`` also wraps ``GPUModelRunner.get_kv_cache_spec``.
   Why: ``AttentionBackend.customize_spec`` is a classmethod without the config, so it cannot
   tell whether H2O is on; the runner can. Full-attention specs become ``H2OAttentionSpec``
@@ -25,12 +35,15 @@ and version-guard helpers every hook module uses.
   (``SamplingParams.extra_args``): ``scheduler.step.add_request`` resolves each request's
   ``Budget`` into the managers' ``RequestBudgets``, ``finish_request`` drops it. Remove when
   managers receive the request.
-- ``install_scheduler_hook`` also wraps ``Scheduler.update_from_output`` to call
-  ``KVCacheManager.remove_skipped_blocks`` for every running request once its step is
-  processed (``scheduler.step.free_compacted_tails``). Why: vLLM calls it lazily in
-  ``allocate_slots``, so a freshly compacted prompt still holds its whole prompt's blocks when
-  an earlier request in the queue preempts it.
-  Remove when vLLM frees skipped blocks at the step boundary.
+- ``install_scheduler_hook`` also wraps ``Scheduler.schedule``: once vLLM has counted the
+  step's tokens, each scheduled request's block list is cut to what the step's compaction
+  leaves and the tail is freed (``scheduler.step.cut_scheduled``); ``H2OManager`` ignores
+  vLLM's own ``remove_skipped_blocks`` calls (processed-token basis). Why: the workers truncate
+  their rows while they run the step, and under async scheduling the next step is scheduled
+  before this one's output is processed; vLLM also frees skipped blocks lazily in
+  ``allocate_slots``, so a freshly compacted prompt would still hold its whole prompt's blocks
+  when an earlier request in the queue preempts it. Remove when vLLM lets a manager free
+  blocks at schedule time.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
   (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
   ``scheduler.step.admission_watermark`` for that one call. Why: H2O sequences have a known, small
@@ -92,7 +105,9 @@ and version-guard helpers every hook module uses.
   ``tl`` swapped into ``vllm.triton_utils`` (reloading any defined earlier with the
   placeholders, and rebinding the names other vLLM modules imported from them); wraps
   ``CpuPlatform.get_attn_backend_cls`` to honour ``CUSTOM`` and ``TRITON_ATTN``; wraps
-  ``torch.cuda.get_device_capability`` to answer for a CPU device. Why: to run the CUDA path
+  ``torch.cuda.get_device_capability`` to answer for a CPU device; wraps
+  ``CpuPlatform.check_and_update_config`` to keep ``scheduler_config.async_scheduling`` as
+  vLLM resolved it (its default, or ``--[no-]async-scheduling``). Why: to run the CUDA path
   (``H2OTritonAttentionBackend``) inside vLLM's CPU engine with every Triton kernel
   interpreted, in CI without a GPU. Upstream: none (a test mode). Remove when vLLM's CPU
   build can run Triton attention itself.
@@ -118,5 +133,6 @@ def register_kv_cache_spec() -> None:
 from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.requests import install_request_validation_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.runner import install_runner_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.runner_v2 import install_runner_v2_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.scheduler import install_metrics_hooks, install_scheduler_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu  # noqa: E402

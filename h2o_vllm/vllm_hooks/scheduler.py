@@ -1,5 +1,5 @@
-"""Hooks on the scheduler: per-request budgets for H2OManager, tail blocks freed at the step
-boundary, H2O metrics.
+"""Hooks on the scheduler: per-request budgets for H2OManager, tail blocks freed when the step
+that compacts is scheduled, H2O metrics.
 
 Runs in the engine-core process (and the stats-log hook in process 0).
 """
@@ -56,7 +56,6 @@ def _update_from_output_wrapper(original):
             prefix.commit_records(_h2o_managers(self.kv_cache_manager))
         outputs = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
-            step.free_compacted_tails(self.kv_cache_manager, self.running)
             step.record_metrics(_h2o_managers(self.kv_cache_manager), self.running)
         return outputs
     return update_from_output
@@ -82,12 +81,15 @@ def _allocate_slots_wrapper(original):
 
 
 def _schedule_wrapper(original):
-    """The step's prefix-cache orders ride on its output; metrics once its blocks are allocated."""
+    """The step's prefix-cache orders ride on its output (read before the cut: it hands the
+    fresh blocks of a first compaction to the row); its compactions cut the block lists;
+    metrics once its blocks are allocated."""
     def schedule(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
             managers = _h2o_managers(self.kv_cache_manager)
             setattr(output, ATTRIBUTE, prefix.prefix_orders(managers, output, self.requests))
+            step.cut_scheduled(managers, output, self.requests)
             step.record_metrics(managers, self.running)
         return output
     return schedule

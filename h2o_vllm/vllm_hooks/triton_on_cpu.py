@@ -14,11 +14,18 @@ hook for a process whose plugin loaded before the switch was set):
   modules placeholder ``triton`` / ``tl`` modules, under which ``@triton.jit`` kernels are plain
   Python functions. Only vLLM's Triton attention op modules (``OP_MODULES``) are imported with
   the real Triton swapped into ``vllm.triton_utils``; the placeholders go back at once, so the
-  rest of vLLM keeps its CPU choices (V1 runner, no Triton-CPU paths).
+  rest of vLLM keeps its CPU choices (V1 runner, no Triton-CPU paths). With
+  ``VLLM_USE_V2_MODEL_RUNNER=1`` as well, every vLLM module imported from then on gets the real
+  Triton (``_hand_out_real_triton``): V2 runs Triton kernels of its own throughout. A process
+  that imported vLLM's runners before cannot redefine them, so start V2 engines fresh.
 - ``CpuPlatform.get_attn_backend_cls`` answers ``CPU_ATTN`` whatever was asked for; the wrapper
   honours ``CUSTOM`` (H2O's Triton backend) and ``TRITON_ATTN`` (stock, the control).
 - ``triton_reshape_and_cache_flash`` sizes its tiles by ``torch.cuda.get_device_capability``,
   which raises on a CPU-only torch; for a CPU device it answers the H200's (9, 0).
+
+- ``CpuPlatform.check_and_update_config`` turns async scheduling off; under the switch it
+  stays as vLLM resolved it (on by default, as on CUDA), so the scheduler runs a step ahead
+  of the workers as it does on a GPU (both CPU executors support it).
 
 And one setting for speed: the interpreter runs a grid's programs one after another, and
 vLLM's split-KV decode kernel (the "3D" one, chosen for small decode batches as on a GPU)
@@ -70,13 +77,41 @@ def install() -> None:
 
     import triton
     check_switch(current_platform.is_cuda(), bool(triton.knobs.runtime.interpret))
+    if v2_requested():
+        _hand_out_real_triton()
     _import_ops_with_real_triton()
     triton_attn = importlib.import_module("vllm.v1.attention.backends.triton_attn")
     triton_attn.NUM_PAR_SOFTMAX_SEGMENTS = INTERPRETED_SOFTMAX_SEGMENTS
     _wrap("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls", _select_triton_backends)
     _wrap("torch.cuda:get_device_capability", _answer_cpu_capability)
+    _wrap("vllm.platforms.cpu:CpuPlatform.check_and_update_config", _keep_async_scheduling)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+
+
+def v2_requested() -> bool:
+    """Whether the user asked vLLM for its Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER``, which
+    vLLM reads before anything else when it picks the runner)."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true")
+
+
+def _hand_out_real_triton() -> None:
+    """V2 launches Triton kernels of its own everywhere (block tables, inputs, sampler): every
+    vLLM module imported from here on gets the real (interpreted) Triton, as on a GPU. Modules
+    defined earlier keep the placeholders; the attention op modules are redefined below."""
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.language.core import _aggregate as aggregate
+    utils = importlib.import_module("vllm.triton_utils")
+    importing = importlib.import_module("vllm.triton_utils.importing")
+    utils.HAS_TRITON = importing.HAS_TRITON = True
+    utils.triton, utils.tl, utils.tldevice = triton, tl, tldevice
+    utils.gluon, utils.gl, utils.aggregate = gluon, gl, aggregate
+    # Read when vLLM validates a V2 config; imported long before any plugin loads.
+    importlib.import_module("vllm.config.vllm").HAS_TRITON = True
 
 
 def check_vllm_config(vllm_config) -> None:
@@ -136,6 +171,16 @@ def _select_triton_backends(original):
             return selected_backend.get_path()
         return original(selected_backend, attn_selector_config, num_heads)
     return get_attn_backend_cls
+
+
+def _keep_async_scheduling(original):
+    def check_and_update_config(cls, vllm_config):
+        scheduler_config = vllm_config.scheduler_config
+        resolved = scheduler_config.async_scheduling
+        original(vllm_config)
+        if enabled():
+            scheduler_config.async_scheduling = resolved
+    return check_and_update_config
 
 
 def _answer_cpu_capability(original):

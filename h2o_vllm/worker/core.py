@@ -23,12 +23,17 @@ from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_met
 _announced: set[str] = set()
 
 
-def announce_backend(backend: str, how: str) -> None:
-    """One INFO line per worker process naming the H2O attention backend it runs (vLLM's
+def announce_backend(backend: str, how: str, vllm_config) -> None:
+    """One INFO line per worker process naming the H2O attention backend it runs, and the
+    model runner and scheduling it runs under, so that H2O is never on unseen (vLLM's
     handlers print the ``vllm.`` loggers)."""
     if backend not in _announced:
         _announced.add(backend)
-        logging.getLogger("vllm.h2o_vllm").info("h2o: attention backend %s (%s)", backend, how)
+        runner = "V2" if vllm_config.use_v2_model_runner else "V1"
+        scheduling = "async" if vllm_config.scheduler_config.async_scheduling else "sync"
+        logging.getLogger("vllm.h2o_vllm").info(
+            "h2o: attention backend %s (%s); vLLM model runner %s, %s scheduling", backend, how,
+            runner, scheduling)
 
 
 def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
@@ -97,6 +102,7 @@ class H2OImplMixin:
         self.scores: torch.Tensor | None = None
         self.records: torch.Tensor | None = None  # prefix caching: score records, same layout
         self._mass = DeferredMass()
+        self._views: tuple[torch.Tensor, object] | None = None  # (kv_cache, its views)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -112,7 +118,7 @@ class H2OImplMixin:
         if step is None or not owns_cache:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        views = self.ops.cache_views(kv_cache)
+        views = self._views_of(kv_cache)
         scores = self._scores_like(views)
         if step.prefix is not None and self.records is None:
             self.records = torch.zeros_like(scores)
@@ -125,7 +131,7 @@ class H2OImplMixin:
                             output_scale, output_block_scale)
         mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
                                          self.records, accumulated=self.fuses_scores)
-        if step.due:
+        if mass is not None:
             self._mass.push(mass)
         return output
 
@@ -144,6 +150,13 @@ class H2OImplMixin:
         """vLLM's own attention over ``attn_metadata`` (K/V already written)."""
         return super().forward(layer, query, None, None, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
+
+    def _views_of(self, kv_cache: torch.Tensor):
+        """The device's views of this layer's cache, made once: the runner hands every step the
+        same tensor, and a layer's handful of view ops cost as much as a decode row's scores."""
+        if self._views is None or self._views[0] is not kv_cache:
+            self._views = (kv_cache, self.ops.cache_views(kv_cache))
+        return self._views[1]
 
     def _scores_like(self, views) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, _ = views.keys.shape

@@ -170,3 +170,20 @@ def current_plan(plan: StepPlan):
 def current() -> StepPlan | None:
     """The plan of the batch being built; None outside a real step (profiling, warm-up)."""
     return _current
+
+
+_armed: StepPlan | None = None
+
+
+def arm(plan: StepPlan) -> None:
+    """Model Runner V2 makes the plan in one call (the runner's ``prepare_attn``) and builds the
+    metadata in the next (its model state's): the plan waits here in between."""
+    global _armed
+    _armed = plan
+
+
+def take_armed() -> StepPlan | None:
+    """The armed plan, once (None when none was armed: dummy and profiling runs)."""
+    global _armed
+    plan, _armed = _armed, None
+    return plan

@@ -220,7 +220,7 @@ def scoring_step(step: H2OStep) -> H2OStep:
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
                               scores: torch.Tensor, scale: float,
                               records: torch.Tensor | None = None, *,
-                              accumulated: bool = False) -> torch.Tensor:
+                              accumulated: bool = False) -> torch.Tensor | None:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (decayed and
     weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -228,7 +228,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
     compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
     head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
-    before and after compaction (for metrics, without a device sync). With prefix caching,
+    before and after compaction (for metrics, without a device sync); None when no row is due. With prefix caching,
     ``records`` holds the layer's score records and ``step.prefix`` says what to do with them.
     accumulated: the attention kernel has already zeroed the new slots and added this step's
     probabilities (the CUDA path's fused attention, after ``prepare_scores``).
@@ -243,6 +243,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
             ops.accumulate(phase, query, views, scores, scale)
             prefix_cache.snapshot(snap, scores, records)
         prefix_cache.relocate(prefix, views, scores)
+    if not step.due:
+        return None
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]

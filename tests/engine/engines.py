@@ -1,13 +1,17 @@
 """Engine-tier helpers (imported by the engine tests): real vLLM engines on the CPU, started once per module."""
 import contextlib
 import gc
+import multiprocessing
 import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 # Any plugin name but ours: the spawned engine core and workers then run stock vLLM.
 from h2o_vllm.tools.soak import STOCK_PLUGINS
+
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 @contextlib.contextmanager
@@ -41,6 +45,16 @@ def vllm_engine(model_dir, *, plugins: bool = True, in_process: bool = False,
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def in_fresh_process(fn, *args, env: dict[str, str] | None = None):
+    """``fn(*args)`` (a module-level function) in a new Python process, started with ``env``
+    added to this one's; returns its result."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in (env or {}).items():
+            mp.setenv(key, value)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fn, *args).result()
 
 
 def scheduler_of(llm):
@@ -89,12 +103,31 @@ def model_runner_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
+def worker_block_ids(runner, request_id: str) -> list[int]:
+    """A request's blocks in the worker (first KV-cache group). V1: its request state, whose
+    block-table row has as many; V2: its slot's block-table row, or the fresh blocks it
+    becomes at the next step (``vllm_hooks.runner_v2._rewrite_rows``)."""
+    if hasattr(runner, "req_states"):  # Model Runner V2
+        pending = runner.__dict__.get("_h2o_rewrites", {}).get(request_id)
+        if pending is not None:
+            return list(pending[1])
+        slot = runner.req_states.req_id_to_index[request_id]
+        tables = runner.block_tables
+        return tables.block_tables[0].gpu[slot, :int(tables.num_blocks.np[0, slot])].tolist()
+    held = list(runner.requests[request_id].block_ids[0])
+    row = runner.input_batch.req_id_to_index[request_id]
+    assert runner.input_batch.block_table[0].num_blocks_per_row[row] == len(held)
+    return held
+
+
 def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
     """After a step: every running request holds cdiv(live KV length, block) blocks in the
-    scheduler, the same list as the worker's request state and block-table row. Returns the
+    scheduler, the same list as the worker's (``worker_block_ids``). Returns the
     tokens each running request has evicted so far (a check that saw no eviction proves
-    nothing). No explicit remove_skipped_blocks: the update_from_output hook has already
-    freed the tail blocks this step's compaction emptied."""
+    nothing). The schedule hook has already cut each list to what its last scheduled step's
+    compaction leaves (``cut_scheduled``). Under async scheduling that step is still in flight
+    for the scheduler (its tokens counted, its output not processed), but the in-process
+    worker has run it: the lists still agree."""
     from vllm.utils.math_utils import cdiv
 
     from h2o_vllm.config import H2OConfig
@@ -110,8 +143,6 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
         kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
         held = [b.block_id for b in manager.req_to_blocks[rid]]
         assert len(held) == cdiv(kv_len, block_size)
-        assert held == runner.requests[rid].block_ids[0]
-        row = runner.input_batch.req_id_to_index[rid]
-        assert runner.input_batch.block_table[0].num_blocks_per_row[row] == len(held)
+        assert held == worker_block_ids(runner, rid)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted

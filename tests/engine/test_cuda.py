@@ -1,7 +1,8 @@
 """H2O's CUDA path inside a real vLLM engine: ``H2OTritonAttentionBackend`` (vLLM's Triton
 attention + H2O's Triton kernels) generates token for token what the dense oracle does; with
 H2O off it equals stock Triton attention (and, on the CPU, stock CPU attention); blocks follow
-the live KV length and the pool drains.
+the live KV length and the pool drains. On both of vLLM's model runners (V1, and V2, the CUDA
+default) and with async scheduling (the CUDA default) on and off.
 
 With a GPU the kernels are compiled. Without one the same engines run inside vLLM's CPU engine
 with every Triton kernel interpreted (``H2O_VLLM_TRITON_ON_CPU=1`` with ``TRITON_INTERPRET=1``,
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
-from engines import (check_block_lists, generate_ids, greedy, model_runner_of, random_prompts,
-                     run_steps, scheduler_of, vllm_engine)
+from engines import (V2_ENV, check_block_lists, generate_ids, greedy, in_fresh_process,
+                     model_runner_of, random_prompts, run_steps, scheduler_of, vllm_engine)
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 ON_GPU = torch.cuda.is_available()
@@ -28,9 +29,12 @@ if ON_GPU:
     BUDGET_NAMES = list(BUDGETS) + list(MODES)
     # A fraction of the GPU: H2O's fp32 score buffers sit outside the KV memory vLLM budgets.
     DEVICE = dict(gpu_memory_utilization=0.3, num_gpu_blocks_override=512)
-    ENGINES = {"piecewise-graphs": dict(enforce_eager=False),
-               "eager-chunked": dict(in_process=True, enforce_eager=True, max_num_batched_tokens=64,
-                                    max_num_seqs=8)}
+    CHUNKED = dict(in_process=True, enforce_eager=True, max_num_batched_tokens=64, max_num_seqs=8)
+    ENGINES = {"piecewise-graphs": dict(enforce_eager=False),  # vLLM's defaults: V2, async
+               "v2-eager-chunked-async": CHUNKED,
+               "v2-eager-chunked-sync": dict(CHUNKED, async_scheduling=False),
+               "v1-eager-chunked-async": dict(CHUNKED, env={V2_ENV: "0"}),
+               "v1-eager-chunked-sync": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"})}
     STOCK_TRITON = dict(plugins=False)
 else:
     MAX_TOKENS = 16
@@ -42,13 +46,21 @@ else:
     # and pooling, which ranks the prompt's compaction on the device.
     BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1",
                     "all-modes-tokens-6+6-interval1", "pool-5-window-8-tokens-8+8-interval1"]
-    DEVICE = dict(env={SWITCH: "1"})
-    ENGINES = {"unchunked": {},
-               # in this process, so the blocks and the mixed prefill + decode steps are checked
-               "chunked": dict(in_process=True, max_num_batched_tokens=32, max_num_seqs=16),
-               # the interpreter's other right dtype (bf16 is refused); the peaky model keeps
-               # greedy tokens clear of fp16 rounding, so the fp32 oracle still applies
-               "unchunked-fp16": dict(dtype="float16")}
+    DEVICE = dict(env={SWITCH: "1", V2_ENV: "0"})
+    # The engine core in process, so the blocks and the mixed prefill + decode steps are
+    # checked after every step: with the scheduler a step ahead of the worker (async) and
+    # without, on both model runners. A pool of 12 blocks (192 tokens) makes the matrix preempt.
+    CHUNKED = dict(in_process=True, max_num_batched_tokens=32, max_num_seqs=16, max_model_len=128,
+                   num_gpu_blocks_override=12)
+    ENGINES = {"v1-chunked-async": dict(CHUNKED, async_scheduling=True),
+               "v1-chunked-sync": dict(CHUNKED, async_scheduling=False),
+               "v2-chunked-async": dict(CHUNKED, async_scheduling=True, env={V2_ENV: "1"}),
+               "v2-chunked-sync": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "1"}),
+               # vLLM's CUDA defaults under the switch (V2, async scheduling, a separate
+               # engine-core process, unchunked prompts), in the interpreter's other right
+               # dtype (bf16 is refused); the peaky model keeps greedy tokens clear of fp16
+               # rounding, so the fp32 oracle still applies
+               "defaults-fp16": dict(dtype="float16", env={V2_ENV: "1"})}
     STOCK_TRITON = {}  # the plugin's seams select TRITON_ATTN on the CPU; H2O stays off
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET != 1", allow_module_level=True)
@@ -65,7 +77,24 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 def _engine(model_dir, **kwargs):
-    return vllm_engine(model_dir, **{"block_size": BLOCK, **DEVICE, **kwargs})
+    env = {**DEVICE.get("env", {}), **kwargs.pop("env", {})}
+    return vllm_engine(model_dir, **{"block_size": BLOCK, **DEVICE, **kwargs, "env": env})
+
+
+def _v2(kwargs) -> bool:
+    """Whether an engine of ENGINES runs Model Runner V2 (vLLM's choice on a GPU unless told)."""
+    env = {**DEVICE.get("env", {}), **kwargs.get("env", {})}
+    return env.get(V2_ENV, "1" if ON_GPU else "0") == "1"
+
+
+def _serve(fn, model_dir, kwargs, *args):
+    """``fn(model_dir, kwargs, *args)``; without a GPU a V2 engine runs in a fresh process: V2's
+    own Triton kernels must be defined with the real (interpreted) Triton, which only a process
+    that has not yet imported vLLM's runners can do (vllm_hooks/triton_on_cpu.py)."""
+    if _v2(kwargs) and not ON_GPU:  # the process starts with the switch and V2 asked for
+        env = {**DEVICE.get("env", {}), **kwargs.get("env", {})}
+        return in_fresh_process(fn, model_dir, kwargs, *args, env=env)
+    return fn(model_dir, kwargs, *args)
 
 
 @pytest.fixture(scope="module")
@@ -82,27 +111,33 @@ def hf_model(tiny_llama_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
+MATRIX = BUDGET_NAMES + ["larger", "engine-default"]
+
+
 @pytest.fixture(scope="module", params=list(ENGINES))
 def h2o_outputs(request, tiny_llama_dir):
-    """{budget name: outputs} from one H2O engine serving the whole matrix per request; an
-    in-process engine is driven step by step with the block lists checked after every step."""
-    kwargs = ENGINES[request.param]
-    names = BUDGET_NAMES + ["larger", "engine-default"]
+    """{budget name: outputs} from one H2O engine serving the whole matrix per request."""
+    outputs = _serve(serve_matrix, tiny_llama_dir, ENGINES[request.param])
+    n = len(PROMPTS)
+    return {name: outputs[i * n:(i + 1) * n] for i, name in enumerate(MATRIX)}
+
+
+def serve_matrix(model_dir, kwargs) -> list[list[int]]:
+    """The matrix's outputs, in order; an engine whose core runs in this process is driven
+    step by step with the block lists checked after every step, and one more request is
+    aborted mid-run."""
     budgets = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
     params = [greedy(MAX_TOKENS, extra_args=extra_args(budgets[name]) or None)
-              for name in names for _ in PROMPTS]
-    with _engine(tiny_llama_dir, additional_config={"h2o": ENGINE_H2O}, **kwargs) as llm:
+              for name in MATRIX for _ in PROMPTS]
+    with _engine(model_dir, additional_config={"h2o": ENGINE_H2O}, **dict(kwargs)) as llm:
         config = llm.llm_engine.vllm_config
         assert config.attention_config.backend.get_path().endswith("H2OTritonAttentionBackend")
-        assert not config.use_v2_model_runner
-        assert not config.scheduler_config.async_scheduling
+        assert config.use_v2_model_runner == _v2(kwargs)
+        assert config.scheduler_config.async_scheduling == kwargs.get("async_scheduling", True)
         assert not config.compilation_config.cudagraph_mode.has_full_cudagraphs()
         if kwargs.get("in_process"):
-            outputs = _run_checking_blocks(llm, PROMPTS * len(names), params)
-        else:
-            outputs = generate_ids(llm, PROMPTS * len(names), params)
-    n = len(PROMPTS)
-    return {name: outputs[i * n:(i + 1) * n] for i, name in enumerate(names)}
+            return _run_checking_blocks(llm, PROMPTS * len(MATRIX), params)
+        return generate_ids(llm, PROMPTS * len(MATRIX), params)
 
 
 def _run_checking_blocks(llm, prompts, params) -> list[list[int]]:
@@ -111,17 +146,30 @@ def _run_checking_blocks(llm, prompts, params) -> list[list[int]]:
     scheduler = scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
-    evicted, mixed_steps = [], 0
+    evicted, mixed_steps, ahead, preempted = [], 0, 0, set()
 
     def check():
-        nonlocal mixed_steps
+        nonlocal mixed_steps, ahead
         evicted.extend(check_block_lists(llm, ENGINE_H2O, BLOCK))
         states = {r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running}
         mixed_steps += states == {True, False}  # a prompt chunk and a decode in one batch
+        # Async: the next step is already scheduled (its tokens counted, its output not processed).
+        ahead += any(r.num_in_flight_tokens for r in scheduler.running)
+        preempted.update(r.request_id for r in scheduler.running if r.num_preemptions)
 
-    by_id = run_steps(llm, prompts, params, on_step=check)
+    aborted = str(len(prompts))  # one more request, aborted mid-run
+    with pytest.MonkeyPatch.context() as mp:
+        if not ON_GPU:  # admit greedily, as stock vLLM does, so that the small pool preempts
+            from h2o_vllm.scheduler.manager import H2OManager
+            mp.setattr(H2OManager, "admission_headroom", lambda self, *args: 0)
+        by_id = run_steps(llm, prompts + [prompts[-1]], params + [params[-1]], on_step=check,
+                          abort_after=(8, [aborted]))
+    assert aborted not in by_id
     assert max(evicted) > 0, "no request ever evicted: the block check proved nothing"
     assert mixed_steps > 0, "no step mixed prefill chunks and decodes"
+    assert (ahead > 0) == llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    if not ON_GPU:
+        assert preempted, "no request was preempted: the pool check proved less"
     assert pool.get_num_free_blocks() == free_before, "blocks leaked"
     return [by_id[str(i)] for i in range(len(prompts))]
 
@@ -184,21 +232,33 @@ def test_switch_refuses_what_it_cannot_run_before_loading(tiny_llama_dir, kwargs
     assert time.monotonic() - start < 30, "refused only after the model loaded"
 
 
-@pytest.mark.parametrize("budget", ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1"])
-def test_cuda_prefix_cache_hits_match_the_oracle(tiny_llama_dir, hf_model, budget):
+PREFIX_CASES = [("tokens-8+8-interval1", "v1-async"), ("all-modes-tokens-6+6-interval1", "v1-async"),
+                ("tokens-8+8-interval1", "v2-async"), ("tokens-8+8-interval1", "v2-sync")]
+
+
+@pytest.mark.parametrize("budget, runner", PREFIX_CASES)
+def test_cuda_prefix_cache_hits_match_the_oracle(tiny_llama_dir, hf_model, budget, runner):
     """The CUDA path with prefix caching on: requests sharing a 40-token prefix, one after the
     other, hit it (the hit copied by vLLM, its scores from a record) and still generate the
     oracle's tokens, through the fused attention and the record-writing unfused steps."""
     config = {**BUDGETS, **MODES}[budget]
     shared = random_prompts([40], seed=7)[0]
     prompts = [shared + tail for tail in random_prompts([3, 9, 20], seed=8)]
-    params = greedy(MAX_TOKENS, extra_args=extra_args(config))
     expected = oracle(hf_model, config, BLOCK).generate(prompts, MAX_TOKENS)
-    hits = []
-    with _engine(tiny_llama_dir, additional_config={"h2o": ENGINE_H2O},
-                 enable_prefix_caching=True) as llm:
-        for prompt, want in zip(prompts, expected):
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-            assert list(out.outputs[0].token_ids) == want
-            hits.append(out.num_cached_tokens or 0)
+    kwargs = dict(enable_prefix_caching=True, async_scheduling=runner.endswith("-async"),
+                  env={V2_ENV: "1" if runner.startswith("v2") else "0"})
+    outputs, hits = _serve(serve_one_by_one, tiny_llama_dir, kwargs, prompts, config)
+    assert outputs == expected
     assert max(hits) >= 32, hits  # the control: later requests did hit the shared prefix
+
+
+def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]], list[int]]:
+    """Each prompt in turn: (outputs, prefix-cache hit tokens of each)."""
+    params = greedy(MAX_TOKENS, extra_args=extra_args(config))
+    outputs, hits = [], []
+    with _engine(model_dir, additional_config={"h2o": ENGINE_H2O}, **dict(kwargs)) as llm:
+        for prompt in prompts:
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            outputs.append(list(out.outputs[0].token_ids))
+            hits.append(out.num_cached_tokens or 0)
+    return outputs, hits

@@ -86,8 +86,8 @@ def test_streaming_completion_matches_non_streaming(server):
 
 def _expected(prompt_len: int, num_generated: int, config: H2OConfig) -> dict[str, int]:
     """What the engine evicts for one request, from the shared policy: the worker compacts
-    after a step when the live length falls; the scheduler frees the tail blocks at the
-    next schedule (none after the last step: the request ends and frees everything)."""
+    after a step when the live length falls; the scheduler frees the tail blocks when it
+    schedules that step (the last one's too)."""
     budget = config.budget(prompt_len, BLOCK_SIZE)
 
     def kv(t):
@@ -97,9 +97,10 @@ def _expected(prompt_len: int, num_generated: int, config: H2OConfig) -> dict[st
     steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, prompt_len + num_generated - 1)]
     evicted = compactions = freed = held = 0
     for before, after in steps:
-        keep = math.ceil(kv(before) / BLOCK_SIZE)      # remove_skipped_blocks at this schedule
+        held = max(held, math.ceil((kv(before) + after - before) / BLOCK_SIZE))  # allocated
+        keep = math.ceil(kv(after) / BLOCK_SIZE)  # cut_scheduled, once the step is scheduled
         freed += max(0, held - keep)
-        held = max(min(held, keep), math.ceil((kv(before) + after - before) / BLOCK_SIZE))
+        held = min(held, keep)
         dropped = kv(before) + (after - before) - kv(after)
         evicted += dropped
         compactions += dropped > 0

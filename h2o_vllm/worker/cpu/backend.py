@@ -57,8 +57,8 @@ class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if self.h2o is not None:
             isa = use_readable_isa(self, layer_names)
-            announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention (ISA {isa}) for "
-                             "decode rows, H2O's torch attention and scores for prefill rows")
+            announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention (ISA {isa}) for decode "
+                             "rows, H2O's torch attention and scores for prefill rows", vllm_config)
 
     def device_fields(self, cm, step: H2OStep) -> dict:
         if step.decode_rows is None or step.prefill_rows is None:

@@ -58,7 +58,7 @@ class H2OTritonMetadataBuilder(H2OBuilderMixin, TritonAttentionMetadataBuilder):
         if self.h2o is not None:
             how = "interpreted on the CPU" if torch.device(device).type == "cpu" else "compiled"
             announce_backend("H2OTritonAttentionBackend", f"H2O's fused Triton attention and "
-                             f"score kernels and its compaction kernel, {how}")
+                             f"score kernels and its compaction kernel, {how}", vllm_config)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:

@@ -85,11 +85,15 @@ def test_plain_config_passes():
     conflicts.check_vllm_config(_vllm_config(), H2O)
 
 
+def test_async_scheduling_passes():
+    """H2O's scheduler cuts each step's compaction when it schedules the step."""
+    conflicts.check_vllm_config(_vllm_config(scheduler_config=SimpleNamespace(async_scheduling=True)), H2O)
+
+
 @pytest.mark.parametrize("overrides, setting", [
     ({"speculative_config": object()}, "--speculative-config"),
     ({"kv_transfer_config": object()}, "--kv-transfer-config"),
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "--pipeline-parallel-size"),
-    ({"scheduler_config": SimpleNamespace(async_scheduling=True)}, "--no-async-scheduling"),
 ])
 def test_settings_vllm_derived_are_refused_too(overrides, setting):
     # e.g. a speculator checkpoint makes vLLM set speculative_config itself.

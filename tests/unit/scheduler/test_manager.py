@@ -58,13 +58,13 @@ def _prefill(manager, request):
     manager.admission_headroom(request, n, MAX_LEN)
     _grow(manager, request.request_id, n)
     request.num_computed_tokens = n
-    manager.remove_skipped_blocks(request.request_id, n, n)
+    manager.cut_scheduled(request.request_id, n, n)
 
 
 def test_manager_allocates_in_kv_space_after_eviction():
     m = _manager()
     assert _grow(m, "r", 100) == 7  # nothing evicted yet: KV space == logical, cdiv(100, 16)
-    m.remove_skipped_blocks("r", 100, 100)
+    m.cut_scheduled("r", 100, 100)
     assert kv_len_after(100, 100, BUDGET) == 16 and len(m.req_to_blocks["r"]) == 1
     # The next decode step asks for 101 logical tokens = 17 in KV space: two blocks, not seven.
     assert m.get_num_blocks_to_allocate("r", 101, [], 0, 0, 101) == 1
@@ -75,11 +75,11 @@ def test_manager_allocates_in_kv_space_after_eviction():
 
 
 @pytest.mark.parametrize("processed", [64, 100, 115, 116, 140])
-def test_manager_remove_skipped_blocks_frees_exact_tail(processed):
+def test_manager_cut_scheduled_frees_exact_tail(processed):
     m = _manager()
     _grow(m, "r", processed)  # uncompacted: cdiv(processed, 16) blocks
     before, free = list(m.req_to_blocks["r"]), m.block_pool.get_num_free_blocks()
-    m.remove_skipped_blocks("r", processed, 100)
+    m.cut_scheduled("r", processed, 100)
     kv = kv_len_after(processed, 100, BUDGET)  # 64 (mid-prompt), 16, 31, 16, 24
     keep = cdiv(kv, BLOCK)
     assert m.req_to_blocks["r"] == before[:keep]  # the head stays, the tail goes
@@ -88,11 +88,13 @@ def test_manager_remove_skipped_blocks_frees_exact_tail(processed):
     assert m.num_evicted["r"] == processed - kv
 
 
-def test_manager_remove_skipped_blocks_needs_prompt_len():
+def test_manager_leaves_vllms_remove_skipped_blocks_calls_alone():
+    """vLLM calls it on the processed-token basis, a step behind under async scheduling:
+    H2O's cut comes from the schedule hook instead."""
     m = _manager()
     _grow(m, "r", 116)
     before, free = list(m.req_to_blocks["r"]), m.block_pool.get_num_free_blocks()
-    m.remove_skipped_blocks("r", 116)
+    m.remove_skipped_blocks("r", 116, 100)
     assert (m.req_to_blocks["r"], m.block_pool.get_num_free_blocks()) == (before, free)
     assert m.num_freed_blocks == 0 and m.num_evicted == {}
 
@@ -104,7 +106,7 @@ def test_manager_request_budget_overrides_engine_default():
     assert m.budgets.resolve("default", 100) == Budget(10, 10, BLOCK)
     for rid in ("small", "default"):
         _grow(m, rid, 101)
-        m.remove_skipped_blocks(rid, 101, 100)  # the manager's own lookup carries no extra_args
+        m.cut_scheduled(rid, 101, 100)  # the manager's own lookup carries no extra_args
     # small: compacts to 4 every token -> 4 live, 97 evicted; default: 20 + 1 -> 21 live, 80 evicted.
     assert m.num_evicted == {"small": 97, "default": 80}
     assert [len(m.req_to_blocks[r]) for r in ("small", "default")] == [1, 2]
@@ -184,7 +186,7 @@ def test_manager_holds_cdiv_kv_len_blocks_every_step(prompt_len, heavy, recent, 
         assert _grow(m, "r", processed + step) == want
         processed += step
         held = len(m.req_to_blocks["r"])
-        m.remove_skipped_blocks("r", processed, prompt_len)
+        m.cut_scheduled("r", processed, prompt_len)
         kv = kv_len_after(processed, prompt_len, budget)
         assert len(m.req_to_blocks["r"]) == cdiv(kv, block_size)
         freed += held - cdiv(kv, block_size)

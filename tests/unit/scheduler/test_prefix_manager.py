@@ -4,9 +4,10 @@ scheduler drives it (scheduler/manager.py, scheduler/prefix.py).
 
 ``Engine`` below is a small stand-in for vLLM's Scheduler + KVCacheManager: a waiting request
 gets vLLM's hit (``find_longest_cache_hit``), cut by ``cut_hit`` as the get_computed_blocks hook
-does, then ``allocate_slots``' calls in its order (free skipped, count, add the hit, allocate,
-cache); ``schedule`` ends with ``prefix_orders`` as the schedule hook does; ``finish_step`` is
-update_from_output (``commit_records``, CoW retentions released, compacted tails freed). Every
+does, then ``allocate_slots``' calls in its order (count, add the hit, allocate, cache); ``schedule``
+ends as the schedule hook does, with ``prefix_orders`` and then the compacted tails cut
+(``cut_scheduled``); ``finish_step`` is update_from_output (``commit_records``, CoW retentions
+released). Every
 allocation checks that the pool gave exactly the count ``get_num_blocks_to_allocate`` returned.
 """
 from types import SimpleNamespace
@@ -94,7 +95,6 @@ class Engine:
                 tokens[rid] = n
             total = request.num_computed_tokens
             main = total + n
-            m.remove_skipped_blocks(rid, total, request.num_prompt_tokens)
             free = self.pool.get_num_free_blocks()
             count = m.get_num_blocks_to_allocate(rid, main, hit or [], total, total, main)
             if hit is not None:
@@ -107,20 +107,18 @@ class Engine:
         self.copies = m.take_pending_cow_copies()
         output = SimpleNamespace(num_scheduled_tokens=dict(tokens), scheduled_new_reqs=new,
                                  scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
-        return prefix_orders([self.m], output, self.requests)
+        orders = prefix_orders([self.m], output, self.requests)
+        sched_step.cut_scheduled([self.m], output, self.requests)
+        return orders
 
     def finish_step(self, sampled: dict[str, int] | None = None):
         """update_from_output: records committed, CoW retentions released, decode tokens
-        appended, compacted tails freed."""
+        appended."""
         commit_records([self.m])
         self.pool.free_blocks([b for pair in self.copies for b in pair])
         self.copies = []
         for rid, token in (sampled or {}).items():
             self.requests[rid].append_output_token_ids(token)
-        for request in self.requests.values():
-            if request.request_id in self.m.req_to_blocks:
-                self.m.remove_skipped_blocks(request.request_id, request.num_computed_tokens,
-                                             request.num_prompt_tokens)
 
     def run_prompt(self, request, chunk=None):
         """Admit and prefill a whole prompt (in chunks of ``chunk``), one step per chunk;
@@ -213,21 +211,24 @@ def test_hit_is_redirected_to_copies_with_record_slots():
     b = e.add(_request("b", PROMPT))
     orders = e.schedule({"b": None})
     assert e.hits["b"] == cached and b.num_computed_tokens == 20
-    row = e.m.req_to_blocks["b"]
-    # The row holds copies, not the cached blocks; the cached ones keep their hashes, stay
-    # in the cache, and stay held (the hit ref) until the copy has run.
-    assert not set(_ids(row[:4])) & set(_ids(cached))
-    assert all(c.block_hash is None for c in row[:4])
+    copies = [c for _, c in e.copies]
+    # The row held copies, not the cached blocks; the cached ones keep their hashes, stay in
+    # the cache, and stay held (the hit ref) until the copy has run.
+    assert [s.block_id for s, _ in e.copies] == _ids(cached)
+    assert not set(_ids(copies)) & set(_ids(cached))
+    assert all(c.block_hash is None for c in copies)
     assert [e.pool.get_cached_block(h, [0])[0] for h in a.block_hashes[:4]] == cached
-    assert [(s.block_id, c.block_id) for s, c in e.copies] == list(zip(_ids(cached), _ids(row[:4])))
-    assert all(s.ref_cnt == 1 for s in cached) and all(c.ref_cnt == 2 for c in row[:4])
-    assert orders.score_inits == list(zip(_ids(row[:4]), record.slots))
+    assert all(s.ref_cnt == 1 for s in cached)
+    # The step ends the prompt: its first compaction moved the row to its fresh blocks when
+    # it was scheduled; the copies are held by their CoW retention alone until the step has run.
+    row = e.m.req_to_blocks["b"]
+    assert orders.fresh_blocks == {"b": _ids(row)} and not set(_ids(row)) & set(_ids(copies))
+    assert all(c.ref_cnt == 1 for c in copies)
+    assert orders.score_inits == list(zip(_ids(copies), record.slots))
     assert e.m.step_score_inits == []  # drained into the orders
     # Count: 1 new block + 4 evictable hit blocks touched + 4 copies + 2 fresh (the step
     # ends the prompt: first compaction, 8 tokens = 2 blocks).
-    assert e.counts["b"] == 1 + 4 + 4 + 2 == free - e.pool.get_num_free_blocks()
-    assert orders.fresh_blocks == {"b": _ids(e.m.fresh["b"])}
-    assert orders.record_writes == []  # its boundary already has a record
+    assert e.counts["b"] == 1 + 4 + 4 + 2
     e.finish_step()
     assert all(s.ref_cnt == 0 and s.block_hash is not None for s in cached)  # back in the cache
 
@@ -263,18 +264,17 @@ def test_first_compaction_moves_the_row_to_fresh_blocks_then_compacts_in_place()
     assert kv_len_after(20, 20, ENGINE.budget(20, BLOCK)) == 8
     orders = e.schedule({"r": 8})
     assert e.counts["r"] == 2 + 2
-    fresh = list(e.m.fresh["r"])
-    old = list(e.m.req_to_blocks["r"])
-    assert orders.fresh_blocks == {"r": _ids(fresh)} and len(old) == 5
+    # Cut when scheduled: the row became the fresh blocks; all five old ones went back
+    # (cached ones keep their hashes).
+    fresh = list(e.m.req_to_blocks["r"])
+    old = [e.pool.get_cached_block(h, [0])[0] for h in r.block_hashes[:5]]
+    assert orders.fresh_blocks == {"r": _ids(fresh)} and len(fresh) == 2 and "r" not in e.m.fresh
     assert not set(_ids(fresh)) & set(_ids(old))
-    e.finish_step()
-    # The row became the fresh blocks; all five old ones went back (cached ones keep hashes).
-    assert e.m.req_to_blocks["r"] == fresh and "r" not in e.m.fresh
     assert all(b.ref_cnt == 0 for b in old)
-    assert [b.block_hash is not None for b in old] == [True] * 5
-    assert [e.pool.get_cached_block(h, [0])[0] for h in r.block_hashes[:5]] == old
     assert e.pool.get_num_free_blocks() == free - 2
     assert e.m.num_freed_blocks == 3  # 5 held - 2 kept
+    e.finish_step()
+    assert e.m.req_to_blocks["r"] == fresh
     # Later compactions: in place, no fresh blocks.
     for i in range(4):  # 21..24: compaction at 24 back to 8
         r.append_output_token_ids(1000 + i)
@@ -291,7 +291,8 @@ def test_pop_blocks_for_free_returns_unused_fresh_blocks():
     e = Engine()
     capacity = e.pool.get_num_free_blocks()
     e.add(_request("r", PROMPT))
-    e.schedule({"r": None})
+    e.m.allocate_new_blocks("r", 20, 20)  # allocate_slots for the whole prompt, in schedule()
+    # ... and preempted later in the same schedule, before the hook cuts the row
     held = list(e.m.req_to_blocks["r"]) + list(e.m.fresh["r"])
     popped = e.m.pop_blocks_for_free("r")
     assert sorted(_ids(popped)) == sorted(_ids(held)) and len(popped) == 7

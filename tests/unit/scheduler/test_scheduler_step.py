@@ -1,11 +1,11 @@
 """scheduler.step, the functions vLLM's scheduler hooks call: budgets in and out, compacted
-tails freed at the step boundary, admission watermark, metrics.
+tails cut when their step is scheduled, admission watermark, metrics.
 
-Managers are real H2OManagers on a real BlockPool and requests are vLLM's real
-``vllm.v1.request.Request``. The one stand-in is ``Recording``, for the KVCacheManager that
-``free_compacted_tails`` only forwards to (it records the calls); a second test sends the same
-call through vLLM's real KVCacheManager to its H2OManager.
+Managers are real H2OManagers on a real BlockPool (or inside vLLM's real KVCacheManager) and
+requests are vLLM's real ``vllm.v1.request.Request``.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -45,18 +45,8 @@ def _run(manager, request):
     n = request.num_prompt_tokens
     manager.admission_headroom(request, n, MAX_LEN)
     manager.allocate_new_blocks(request.request_id, n, n)
-    manager.remove_skipped_blocks(request.request_id, n, n)
+    manager.cut_scheduled(request.request_id, n, n)
     request.num_computed_tokens, request.status = n, RequestStatus.RUNNING
-
-
-class Recording:
-    """Stand-in for vLLM's KVCacheManager: free_compacted_tails only forwards to it."""
-
-    def __init__(self):
-        self.calls = []
-
-    def remove_skipped_blocks(self, request_id, total_computed_tokens, num_prompt_tokens=None):
-        self.calls.append((request_id, total_computed_tokens, num_prompt_tokens))
 
 
 def test_scheduler_step_add_request_resolves_budget_in_every_manager():
@@ -87,15 +77,10 @@ def test_scheduler_step_finish_request_forgets_budget():
     assert all(len(m.budgets) == 1 for m in managers)
 
 
-def test_scheduler_step_free_compacted_tails_forwards_processed_tokens():
-    running = [_request("a", 100, computed=116), _request("b", 40, computed=41, in_flight=1),
-               _request("c", 30, computed=2, in_flight=5)]
-    kv_cache_manager = Recording()
-    step.free_compacted_tails(kv_cache_manager, running)
-    assert kv_cache_manager.calls == [("a", 116, 100), ("b", 40, 40), ("c", 0, 30)]
-
-
-def test_scheduler_step_free_compacted_tails_frees_through_real_kv_cache_manager():
+def test_scheduler_step_cut_scheduled_frees_as_soon_as_the_step_is_scheduled():
+    """The prefill step is scheduled (vLLM has counted its tokens; its output is not processed,
+    as under async scheduling): its compaction's tail is back in the pool before the next
+    schedule, and vLLM's own processed-basis call in allocate_slots changes nothing."""
     vllm_hooks.register_kv_cache_spec()
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
     spec = H2OAttentionSpec.from_full(full, H2OConfig(heavy_tokens=8, recent_tokens=8))
@@ -106,11 +91,17 @@ def test_scheduler_step_free_compacted_tails_frees_through_real_kv_cache_manager
     (manager,) = kv_cache_manager.coordinator.single_type_managers
     request = _request("a", 100)
     assert kv_cache_manager.allocate_slots(request, 100) is not None
-    request.num_computed_tokens = 100  # the prefill step is processed: compacted to 16 tokens
+    # schedule() counts the step (compacted to 16 tokens), its output still in flight
+    request.num_computed_tokens, request.num_in_flight_tokens = 100, 100
     free = kv_cache_manager.block_pool.get_num_free_blocks()
-    step.free_compacted_tails(kv_cache_manager, [request])
+    output = SimpleNamespace(num_scheduled_tokens={"a": 100})
+    step.cut_scheduled([manager], output, {"a": request})
     assert len(manager.req_to_blocks["a"]) == 1 and manager.num_freed_blocks == 6
     assert kv_cache_manager.block_pool.get_num_free_blocks() == free + 6
+    step.cut_scheduled([manager], output, {"a": request})  # idempotent
+    # The next decode step: vLLM's remove_skipped_blocks (processed basis: 0) leaves it be.
+    assert kv_cache_manager.allocate_slots(request, 1) is not None
+    assert len(manager.req_to_blocks["a"]) == 2 and manager.num_evicted["a"] == 84
 
 
 @pytest.mark.parametrize("status", [RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED])

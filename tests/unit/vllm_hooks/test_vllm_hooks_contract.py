@@ -25,7 +25,7 @@ What is guarded here:
 What is NOT guarded here:
 - that the hooks compute the right thing (exact tokens against the dense oracle, block counts,
   pool drain, preemption): tests/engine/;
-- vLLM's V2 model runner (v1/worker/gpu/*, not used on CPU without Triton-CPU) and CUDA paths;
+- the V2 runner hook's behaviour (tests/engine/test_cuda.py runs V2 engines) and CUDA paths;
 - vLLM behaviour we do not touch through a recorded symbol.
 """
 import ast
@@ -56,6 +56,7 @@ def _resolve(path: str):
 
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 
 # Every symbol vllm_hooks names in _require/_wrap -> parameter names, as written against 0.32.0.
@@ -66,6 +67,13 @@ SIGNATURES = {
         "for_cudagraph_capture", "num_scheduled_tokens", "slot_mappings"],
     f"{_RUNNER}.get_kv_cache_spec": ["self"],
     f"{_RUNNER}._update_states": ["self", "scheduler_output"],
+    f"{_RUNNER_V2}.get_kv_cache_spec": ["self"],
+    f"{_RUNNER_V2}.add_requests": ["self", "scheduler_output"],
+    f"{_RUNNER_V2}.update_requests": ["self", "scheduler_output"],
+    f"{_RUNNER_V2}.prepare_attn": ["self", "input_batch"],
+    "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn": [
+        "self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups",
+        "kv_cache_config", "for_capture", "ubatch_idx", "model_specific_attn_metadata"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks": ["self", "request"],
     f"{_SCHEDULER}.add_request": ["self", "request"],
     f"{_SCHEDULER}._free_blocks": ["self", "request"],
@@ -91,6 +99,7 @@ SIGNATURES = {
     "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls":
         ["selected_backend", "attn_selector_config", "num_heads"],
     "torch.cuda:get_device_capability": ["device"],
+    "vllm.platforms.cpu:CpuPlatform.check_and_update_config": ["vllm_config"],
 }
 
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
@@ -227,12 +236,51 @@ def test_input_batch_rows_expose_what_the_runner_hook_reads():
     assert table.num_blocks_per_row[0] == 1
 
 
+def test_v2_runner_calls_the_hooked_methods_in_the_order_the_hook_needs():
+    """execute_model: requests added and updated (budgets, rewrites), then the runner's
+    prepare_attn (the plan armed), then the model state's (the builders, with the plan)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    source = inspect.getsource(GPUModelRunner.execute_model)
+    order = [source.index(call) for call in (
+        "self.add_requests(scheduler_output)", "self.update_requests(scheduler_output)",
+        "self.prepare_attn(input_batch)", "self.model_state.prepare_attn(")]
+    assert order == sorted(order)
+    assert "self.prepare_dummy_attn(" in source  # dummy runs arm no plan
+
+
+def test_v2_state_exposes_what_the_runner_v2_hook_reads():
+    import dataclasses
+    import torch
+    from vllm.v1.worker.gpu.block_table import BlockTables
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+    from vllm.v1.worker.gpu.states import RequestState
+    assert {"req_ids", "num_reqs", "idx_mapping_np", "num_computed_tokens_np",
+            "num_scheduled_tokens"} <= {f.name for f in dataclasses.fields(InputBatch)}
+    # Both need pinned memory, which a CPU-only torch lacks: read the source.
+    add = inspect.getsource(RequestState.add_request)
+    assert "self.prompt_len.np[req_idx] = prompt_len" in add  # the prompt, not a resumed prefill
+    assert "self.req_id_to_index[req_id] = req_idx" in add
+    # The truncation: an append starts at the row's block count, which the hook lowers
+    # (BlockTables needs pinned memory, which a CPU-only torch lacks: read the source).
+    append = inspect.getsource(BlockTables.append_block_ids)
+    assert "start = self.num_blocks.np[i, req_index] if not overwrite else 0" in append
+    assert "self.block_tables[i].stage_write(req_index, start, block_ids)" in append
+    gather = inspect.getsource(BlockTables.gather_block_tables)
+    assert "self.num_blocks.gpu" in gather and "copy_to_uva" in inspect.getsource(
+        BlockTables.apply_staged_writes)
+    # Other model states inherit the hooked prepare_attn or are refused by H2O.
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+    assert issubclass(MambaHybridModelState, DefaultModelState)
+
+
 def _assigned(cls) -> set[str]:
     return set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", inspect.getsource(cls)))
 
 
 @pytest.mark.parametrize("path, attrs", [
     (_RUNNER, {"requests", "input_batch", "kv_cache_config", "vllm_config"}),
+    (_RUNNER_V2, {"req_states", "block_tables", "kv_cache_config", "vllm_config", "model_state"}),
     (_SCHEDULER, {"vllm_config", "kv_cache_manager", "running"}),
     ("vllm.v1.core.kv_cache_manager:KVCacheManager", {"coordinator", "watermark_blocks", "max_model_len"}),
     ("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", {"single_type_managers"}),
@@ -331,7 +379,8 @@ def test_dataclass_fields_the_hooks_read_or_rebuild():
 
 
 TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
-                      "torch.cuda:get_device_capability"}
+                      "torch.cuda:get_device_capability",
+                      "vllm.platforms.cpu:CpuPlatform.check_and_update_config"}
 
 
 def _func(obj):
@@ -513,6 +562,19 @@ def test_reshape_and_cache_asks_torch_cuda_for_the_capability():
     source = inspect.getsource(importlib.import_module(
         "vllm.v1.attention.ops.triton_reshape_and_cache_flash"))
     assert "torch.cuda.get_device_capability(key.device)" in source
+
+
+def test_cpu_platform_turns_async_scheduling_off_after_vllm_resolved_it():
+    """The switch keeps async scheduling by restoring, after the CPU platform's hook, what vLLM
+    resolved before it; that needs the hook to run after the resolution and to set it off."""
+    from vllm.config.vllm import VllmConfig
+    from vllm.platforms.cpu import CpuPlatform
+    assert isinstance(inspect.getattr_static(CpuPlatform, "check_and_update_config"), classmethod)
+    assert "scheduler_config.async_scheduling = False" in inspect.getsource(
+        CpuPlatform.check_and_update_config)
+    source = inspect.getsource(VllmConfig.__post_init__)
+    assert (source.index("self.scheduler_config.async_scheduling = True")
+            < source.index("current_platform.check_and_update_config(self)"))
 
 
 def test_cpu_platform_selector_is_a_classmethod():

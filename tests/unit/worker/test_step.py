@@ -135,11 +135,11 @@ def test_one_layer_steps_agree_across_devices(group, fused, budgets):
             assert torch.equal(layer.values.cpu()[blk, off], layer.cpu.views.values[blk, off])
             torch.testing.assert_close(*layer.live_scores(row, int(plan.kv_lens_after[row])),
                                        rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(mass.cpu(), cpu_mass, rtol=1e-5, atol=1e-5)
         if plan.due.any():
+            torch.testing.assert_close(mass.cpu(), cpu_mass, rtol=1e-5, atol=1e-5)
             assert 0 < float(mass[1]) <= float(mass[0])
-        else:
-            assert mass.tolist() == [0.0, 0.0]
+        else:  # nothing compacted, nothing to account
+            assert mass is None and cpu_mass is None
     assert compacted >= 4  # both rows compacted after their prompt and again on the cadence
 
 
