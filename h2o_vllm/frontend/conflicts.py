@@ -45,6 +45,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     pp = getattr(parallel, "pipeline_parallel_size", 1) if parallel is not None else 1
     if pp > 1:
         _refuse_pipeline_parallel(pp)
+    _refuse_split_batches(parallel)
     model = getattr(vllm_config, "model_config", None)
     if model is not None:
         check_model(model)
@@ -131,6 +132,21 @@ def _refuse_kv_transfer() -> None:
         "KV-transfer connectors (--kv-transfer-config) cannot be combined with H2O KV eviction: "
         "a connector saves and loads blocks by token position, and compaction moves tokens "
         f"between blocks. Drop --kv-transfer-config, {_OFF}")
+
+
+def _refuse_split_batches(parallel: Any) -> None:
+    """Micro-batching (DBO) and context parallelism build each step's attention metadata on
+    paths of their own (per micro-batch, per context shard), which the runner hooks do not
+    give H2O's plan: H2O would run without eviction there."""
+    split = {"--enable-dbo": getattr(parallel, "enable_dbo", False),
+             "--prefill-context-parallel-size": getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+             "--decode-context-parallel-size": getattr(parallel, "decode_context_parallel_size", 1) > 1}
+    for flag, on in split.items():
+        if on:
+            raise ValueError(
+                f"{flag} cannot be combined with H2O KV eviction: it builds each step's attention "
+                "metadata per micro-batch or context shard, where H2O's step plan does not reach "
+                f"(eviction would silently stop). Drop {flag}, {_OFF}")
 
 
 def _refuse_pipeline_parallel(size: int) -> None:

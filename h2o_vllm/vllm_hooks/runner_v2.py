@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.vllm_hooks.runner import _budgets, _h2o_groups
+from h2o_vllm.vllm_hooks.runner import _budgets, _get_kv_cache_spec_wrapper, _h2o_groups
 from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap, logger
 
 
@@ -34,13 +34,6 @@ def install_runner_v2_hook() -> None:
     _wrap("vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_attn", _prepare_attn_wrapper)
     _wrap("vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
           _model_state_prepare_attn_wrapper)
-
-
-def _get_kv_cache_spec_wrapper(original):
-    def get_kv_cache_spec(self):
-        from h2o_vllm.scheduler.spec import h2o_specs
-        return h2o_specs(original(self), _h2o_of(self))
-    return get_kv_cache_spec
 
 
 def _add_requests_wrapper(original):
@@ -70,7 +63,7 @@ def _prepare_attn_wrapper(original):
         if _h2o_of(self) is not None:
             from h2o_vllm.worker import plan as step_plan
             plan = _plan_batch(self, input_batch)
-            step_plan.arm(plan)
+            step_plan.arm(input_batch, plan)
             _truncate_rows(self, plan, input_batch)
             step_plan.record_compactions(plan)
         return result
@@ -78,13 +71,13 @@ def _prepare_attn_wrapper(original):
 
 
 def _model_state_prepare_attn_wrapper(original):
-    def prepare_attn(self, *args, **kwargs):
+    def prepare_attn(self, input_batch, *args, **kwargs):
         from h2o_vllm.worker import plan as step_plan
-        plan = step_plan.take_armed()  # None on dummy, profiling and capture runs
+        plan = step_plan.take_armed(input_batch)  # None on dummy, profiling and capture runs
         if plan is None:
-            return original(self, *args, **kwargs)
+            return original(self, input_batch, *args, **kwargs)
         with step_plan.current_plan(plan):
-            return original(self, *args, **kwargs)
+            return original(self, input_batch, *args, **kwargs)
     return prepare_attn
 
 

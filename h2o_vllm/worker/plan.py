@@ -172,18 +172,21 @@ def current() -> StepPlan | None:
     return _current
 
 
-_armed: StepPlan | None = None
+_armed: tuple[object, StepPlan] | None = None
 
 
-def arm(plan: StepPlan) -> None:
+def arm(batch: object, plan: StepPlan) -> None:
     """Model Runner V2 makes the plan in one call (the runner's ``prepare_attn``) and builds the
-    metadata in the next (its model state's): the plan waits here in between."""
+    metadata in the next (its model state's, for the same ``batch``): the plan waits here."""
     global _armed
-    _armed = plan
+    _armed = (batch, plan)
 
 
-def take_armed() -> StepPlan | None:
-    """The armed plan, once (None when none was armed: dummy and profiling runs)."""
+def take_armed(batch: object) -> StepPlan | None:
+    """The plan armed for this very ``batch``, once; None for any other (dummy, profiling and
+    capture runs build metadata for batches of their own)."""
     global _armed
-    plan, _armed = _armed, None
+    if _armed is None or _armed[0] is not batch:
+        return None
+    plan, _armed = _armed[1], None
     return plan

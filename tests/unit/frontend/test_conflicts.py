@@ -94,6 +94,11 @@ def test_async_scheduling_passes():
     ({"speculative_config": object()}, "--speculative-config"),
     ({"kv_transfer_config": object()}, "--kv-transfer-config"),
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "--pipeline-parallel-size"),
+    ({"parallel_config": SimpleNamespace(pipeline_parallel_size=1, enable_dbo=True)}, "--enable-dbo"),
+    ({"parallel_config": SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2)},
+     "--decode-context-parallel-size"),
+    ({"parallel_config": SimpleNamespace(pipeline_parallel_size=1, prefill_context_parallel_size=2)},
+     "--prefill-context-parallel-size"),
 ])
 def test_settings_vllm_derived_are_refused_too(overrides, setting):
     # e.g. a speculator checkpoint makes vLLM set speculative_config itself.

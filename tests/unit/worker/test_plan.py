@@ -107,3 +107,14 @@ def test_pooling_ranks_only_each_rows_first_compaction():
     plan = step_plan.make_step_plan(t([0, 5, 11, 6]), t([10, 1, 1, 1]), t([10, 3, 10, 3]), [budget] * 4)
     assert plan.due.tolist() == [True, True, True, False]
     assert plan.pool.tolist() == [5, 5, 1, 1]
+
+
+def test_armed_plan_is_taken_once_and_only_for_its_batch():
+    """Model Runner V2: the plan made in the runner's prepare_attn reaches the model state's
+    prepare_attn for the same batch, never a dummy run's."""
+    from h2o_vllm.worker import plan as step_plan
+    batch, dummy, plan = object(), object(), object()
+    step_plan.arm(batch, plan)
+    assert step_plan.take_armed(dummy) is None
+    assert step_plan.take_armed(batch) is plan
+    assert step_plan.take_armed(batch) is None
