@@ -78,9 +78,11 @@ def generate_ids(llm, prompts, params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def run_steps(llm, prompts, params, on_step=None, abort_after=None) -> dict[str, list[int]]:
+def run_steps(llm, prompts, params, on_step=None, abort_after=None,
+              cached: dict[str, int] | None = None) -> dict[str, list[int]]:
     """Drive an engine step by step; ``params`` is one SamplingParams or one per prompt;
-    ``on_step()`` runs after every step; returns {request_id: output token ids}."""
+    ``on_step()`` runs after every step; returns {request_id: output token ids}; ``cached``
+    receives each finished request's prefix-cache hit tokens."""
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
@@ -90,6 +92,8 @@ def run_steps(llm, prompts, params, on_step=None, abort_after=None) -> dict[str,
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
+                if cached is not None:
+                    cached[out.request_id] = out.num_cached_tokens or 0
         step += 1
         if on_step is not None:
             on_step()
