@@ -91,22 +91,31 @@ def _plan_batch(runner, num_reqs: int, scheduled: dict[str, int]):
         orders=runner.__dict__.get("_h2o_orders"))
 
 
+def compacted_rows(runner, plan, req_ids):
+    """(KV-cache group id, row, blocks kept, fresh blocks or None) of each row this step
+    compacts, for either runner's truncation (``req_ids``: the batch's, by row). A row that
+    compacts into fresh blocks is remembered for the next step's rewrite (``_h2o_rewrites``)."""
+    from h2o_vllm.worker.plan import rows_to_truncate
+    for group_id, block_size in _h2o_groups(runner):
+        for row, keep, fresh in rows_to_truncate(plan, block_size):
+            if fresh is not None:
+                runner.__dict__.setdefault("_h2o_rewrites", {})[req_ids[row]] = (group_id, fresh)
+            logger.debug("h2o: request %s compacted from %d to %d KV tokens", req_ids[row],
+                         int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
+            yield group_id, row, keep, fresh
+
+
 def _truncate_rows(runner, plan) -> None:
     """Drop the block-table entries past each compacted row's new KV length. The tensor
     entries stay until overwritten, so this step's kernels still read them."""
-    from h2o_vllm.worker.plan import rows_to_truncate
     batch = runner.input_batch
-    for group_id, block_size in _h2o_groups(runner):
-        table = batch.block_table[group_id]
-        for row, keep, fresh in rows_to_truncate(plan, block_size):
-            if table.num_blocks_per_row[row] > keep:
-                table.num_blocks_per_row[row] = keep
-                del runner.requests[batch.req_ids[row]].block_ids[group_id][keep:]
-            if fresh is not None:
-                runner.requests[batch.req_ids[row]].block_ids[group_id][:] = fresh
-                runner.__dict__.setdefault("_h2o_rewrites", {})[batch.req_ids[row]] = (group_id, fresh)
-            logger.debug("h2o: request %s compacted from %d to %d KV tokens", batch.req_ids[row],
-                         int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
+    for group_id, row, keep, fresh in compacted_rows(runner, plan, batch.req_ids):
+        table, state = batch.block_table[group_id], runner.requests[batch.req_ids[row]]
+        if table.num_blocks_per_row[row] > keep:
+            table.num_blocks_per_row[row] = keep
+            del state.block_ids[group_id][keep:]
+        if fresh is not None:
+            state.block_ids[group_id][:] = fresh
 
 
 def _rewrite_rows(runner) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.vllm_hooks.runner import _budgets, _get_kv_cache_spec_wrapper, _h2o_groups
-from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap, logger
+from h2o_vllm.vllm_hooks.runner import _budgets, _get_kv_cache_spec_wrapper, compacted_rows
+from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap
 
 
 def install_runner_v2_hook() -> None:
@@ -99,16 +99,10 @@ def _plan_batch(runner, input_batch):
 def _truncate_rows(runner, plan, input_batch) -> None:
     """Drop the block-table entries past each compacted row's new KV length (its block count);
     a row that compacted into fresh blocks becomes them at the next step (``_rewrite_rows``)."""
-    from h2o_vllm.worker.plan import rows_to_truncate
     num_blocks = runner.block_tables.num_blocks.np
-    for group_id, block_size in _h2o_groups(runner):
-        for row, keep, fresh in rows_to_truncate(plan, block_size):
-            slot = int(input_batch.idx_mapping_np[row])
-            num_blocks[group_id, slot] = min(int(num_blocks[group_id, slot]), keep)
-            if fresh is not None:
-                runner.__dict__.setdefault("_h2o_rewrites", {})[input_batch.req_ids[row]] = (group_id, fresh)
-            logger.debug("h2o: request %s compacted from %d to %d KV tokens", input_batch.req_ids[row],
-                         int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
+    for group_id, row, keep, _ in compacted_rows(runner, plan, input_batch.req_ids):
+        slot = int(input_batch.idx_mapping_np[row])
+        num_blocks[group_id, slot] = min(int(num_blocks[group_id, slot]), keep)
 
 
 def _rewrite_rows(runner) -> None:
