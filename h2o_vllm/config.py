@@ -18,7 +18,7 @@ DEFAULT_MIN_TOKENS = 32
 
 _RATIO_KEYS = ("heavy_ratio", "recent_ratio")
 _TOKEN_KEYS = ("heavy_tokens", "recent_tokens")
-_COUNT_KEYS = ("interval", "sink_tokens", "obs_window", "min_tokens", "pool_kernel")
+_COUNT_KEYS = ("interval", "sink_tokens", "obs_window", "min_tokens", "pool_kernel", "prefill_chunk")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,12 @@ class H2OConfig:
       prompt), heavy hitters are ranked on their scores max-pooled over the ``pool_kernel``
       nearest candidates (SnapKV's pooling), so a fact spanning a few tokens is kept whole; the
       kept tokens keep their own scores, and later compactions rank by score alone.
+    - ``prefill_chunk``: the prompt is processed in chunks ending at multiples of
+      ``prefill_chunk`` tokens (and at its end), and the cadence applies at the end of each
+      chunk as it does after each decode token: a chunk's queries see what earlier chunks
+      kept plus the chunk itself, and a sequence's peak is about budget + interval + chunk,
+      not its prompt (ARCHITECTURE.md, "Prefill chunks"). With ``obs_window`` each chunk is
+      scored by its own last ``obs_window`` queries. Unset: the prompt is held whole.
     """
 
     heavy_ratio: float | None = None
@@ -66,6 +72,7 @@ class H2OConfig:
     obs_window: int | None = None
     min_tokens: int | None = None
     pool_kernel: int | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for key in _RATIO_KEYS:
@@ -87,7 +94,7 @@ class H2OConfig:
             value = getattr(self, key)
             if value is None:
                 continue
-            low = 1 if key in ("interval", "obs_window", "pool_kernel") else 0
+            low = 1 if key in ("interval", "obs_window", "pool_kernel", "prefill_chunk") else 0
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
             if value < low:
@@ -166,7 +173,8 @@ class H2OConfig:
         return Budget(heavy=heavy, recent=recent,
                       interval=self.interval if self.interval is not None else block_size,
                       sinks=sinks, decay=1.0 if self.decay is None else float(self.decay),
-                      obs_window=self.obs_window, pool=self.pool_kernel or 1)
+                      obs_window=self.obs_window, pool=self.pool_kernel or 1,
+                      prefill_chunk=self.prefill_chunk)
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,7 @@ class Budget:
     decay: float = 1.0              # 1.0: the paper's plain sum
     obs_window: int | None = None   # None: every prompt query scores
     pool: int = 1                   # the first compaction ranks on scores max-pooled over this many
+    prefill_chunk: int | None = None  # None: the prompt is one chunk, held whole
 
     @property
     def tokens(self) -> int:
@@ -188,10 +197,18 @@ class Budget:
         return self.sinks + self.heavy + self.recent
 
     def query_weight(self, position: int, prompt_len: int) -> float:
-        """How much the query at logical ``position`` adds to the scores (before decay)."""
-        if self.obs_window is not None and position < prompt_len - self.obs_window:
-            return 0.0
-        return 1.0
+        """How much the query at logical ``position`` adds to the scores (before decay): with
+        an observation window, a prompt query counts only among the last ``obs_window`` of
+        its prefill chunk (the whole prompt without ``prefill_chunk``)."""
+        if self.obs_window is None or position >= prompt_len:
+            return 1.0
+        return 0.0 if position < self.chunk_end(position, prompt_len) - self.obs_window else 1.0
+
+    def chunk_end(self, position: int, prompt_len: int) -> int:
+        """Where the prefill chunk holding prompt ``position`` ends (exclusive)."""
+        if self.prefill_chunk is None:
+            return prompt_len
+        return min((position // self.prefill_chunk + 1) * self.prefill_chunk, prompt_len)
 
 
 #: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)

@@ -6,63 +6,175 @@ message; see ARCHITECTURE.md, "Shared deterministic rule".
 """
 from __future__ import annotations
 
+import functools
 from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from h2o_vllm.config import Budget
+from h2o_vllm.config import Budget, H2OConfig
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 
-def cadence_start(prompt_len: IntOrTensor, budget_tokens: IntOrTensor,
-                  interval: IntOrTensor) -> IntOrTensor:
-    """Tokens processed at the first compaction: the prompt is never evicted, and the cache
-    first shrinks once it has grown ``interval`` past the budget (ARCHITECTURE.md, "Cadence")."""
-    if any(isinstance(x, torch.Tensor) for x in (prompt_len, budget_tokens, interval)):
-        return torch.maximum(torch.as_tensor(prompt_len), torch.as_tensor(budget_tokens + interval))
-    return max(prompt_len, budget_tokens + interval)
+def _cdiv(a: IntOrTensor, b: IntOrTensor) -> IntOrTensor:
+    return -(-a // b)  # floor division rounds down on ints and on integer tensors alike
+
+
+def _where(cond, a, b):
+    if isinstance(cond, torch.Tensor):
+        return torch.where(cond, a, b)
+    return a if cond else b
+
+
+def _maximum(a, b):
+    if any(isinstance(x, torch.Tensor) for x in (a, b)):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def _chunk(prompt_len: IntOrTensor, chunk) -> IntOrTensor:
+    """The prefill chunk a rule runs with: unset (None) is the whole prompt, one chunk."""
+    if chunk is not None:
+        return chunk
+    return prompt_len.clamp(min=1) if isinstance(prompt_len, torch.Tensor) else max(prompt_len, 1)
+
+
+def _boundary_live(k: IntOrTensor, budget_tokens: IntOrTensor, interval: IntOrTensor,
+                   chunk: IntOrTensor) -> IntOrTensor:
+    """Live length right after the check at the ``k``-th chunk boundary inside the prompt
+    (``k * chunk < prompt_len``): nothing is evicted until a boundary finds budget + interval
+    tokens or more (boundary ``k1``), and from there one compaction every ``m`` chunks, each
+    back to the budget (ARCHITECTURE.md, "Prefill chunks")."""
+    k1 = _cdiv(budget_tokens + interval, chunk)
+    m = _cdiv(interval, chunk)
+    return _where(k < k1, k * chunk, budget_tokens + ((k - k1) % m) * chunk)
+
+
+def _prompt_end(prompt_len, budget_tokens, interval, chunk):
+    """(live length before the check at the prompt's end, live length after it)."""
+    last = _cdiv(prompt_len, chunk) - 1  # the last chunk boundary strictly inside the prompt
+    before = _boundary_live(last, budget_tokens, interval, chunk) + prompt_len - last * chunk
+    return before, _where(before >= budget_tokens + interval, budget_tokens + 0 * before, before)
+
+
+def first_compaction(prompt_len: IntOrTensor, budget_tokens: IntOrTensor, interval: IntOrTensor,
+                     chunk=None) -> IntOrTensor:
+    """Tokens processed at a sequence's first compaction: the first prefill-chunk boundary
+    that holds budget + interval tokens, else the prompt's end if it does, else the decode
+    step that reaches budget + interval (ARCHITECTURE.md, "Cadence"). Without ``chunk`` the
+    prompt is never evicted: ``max(prompt_len, budget_tokens + interval)``."""
+    chunk = _chunk(prompt_len, chunk)
+    inside = _cdiv(budget_tokens + interval, chunk) * chunk
+    return _where(inside < prompt_len, inside, _maximum(prompt_len, budget_tokens + interval))
 
 
 def live_kv_len(tokens_processed: IntOrTensor, prompt_len: IntOrTensor,
-                budget_tokens: IntOrTensor, interval: IntOrTensor) -> IntOrTensor:
+                budget_tokens: IntOrTensor, interval: IntOrTensor, chunk=None) -> IntOrTensor:
     """Live KV length after ``tokens_processed`` logical tokens have been written.
 
-    The first compaction comes at ``cadence_start``, then one every ``interval`` tokens, each
-    back to ``budget_tokens``: hence the closed form. A request recomputed after preemption
-    (one prefill step past its prompt) lands on the same length an uninterrupted request would
-    have: both sides only ever see this function. Elementwise on tensors (the worker's rows)
-    and on ints (the scheduler's requests).
+    Checks come at the end of each prefill chunk (multiples of ``chunk`` inside the prompt,
+    the prompt's end; unset: the prompt is one chunk) and after every token past the prompt;
+    a check that finds budget + interval tokens or more compacts back to the budget. Hence
+    the closed form. A request recomputed after preemption lands on the same length an
+    uninterrupted request would have: both sides only ever see this function. Elementwise on
+    tensors (the worker's rows; ``chunk`` then a tensor too) and on ints (the scheduler's).
     """
-    start = cadence_start(prompt_len, budget_tokens, interval)
-    if isinstance(tokens_processed, torch.Tensor):
-        compacted = budget_tokens + torch.remainder(tokens_processed - start, interval)
-        return torch.where(tokens_processed < start, tokens_processed, compacted)
-    if tokens_processed < start:
-        return tokens_processed
-    return budget_tokens + (tokens_processed - start) % interval
+    t, chunk = tokens_processed, _chunk(prompt_len, chunk)
+    k = t // chunk
+    in_prompt = _boundary_live(k, budget_tokens, interval, chunk) + t - k * chunk
+    _, at_end = _prompt_end(prompt_len, budget_tokens, interval, chunk)
+    # Past the prompt the cache grows one token a step and compacts on reaching budget + interval.
+    first_decode_compaction = prompt_len + budget_tokens + interval - at_end
+    growing = at_end + t - prompt_len
+    cycling = budget_tokens + (t - first_decode_compaction) % interval
+    after = _where(t < first_decode_compaction, growing, cycling)
+    return _where(t < prompt_len, in_prompt, after)
+
+
+def prefill_step_limit(num_computed: int, prompt_len: int, chunk: int | None) -> int | None:
+    """The most tokens a step starting at ``num_computed`` may process without crossing the
+    end of a prefill chunk (a multiple of ``chunk`` inside the prompt, or the prompt's end);
+    None when nothing limits it (no ``chunk``, or past the prompt). A step that stops short of
+    a chunk's end checks nothing, so how the scheduler splits a chunk changes no result."""
+    if chunk is None or num_computed >= prompt_len:
+        return None
+    return min((num_computed // chunk + 1) * chunk, prompt_len) - num_computed
 
 
 def kv_len_after(tokens_processed: int, prompt_len: int, budget: Budget) -> int:
     """Live KV length of a sequence after ``tokens_processed`` tokens."""
-    return live_kv_len(tokens_processed, prompt_len, budget.tokens, budget.interval)
+    return live_kv_len(tokens_processed, prompt_len, budget.tokens, budget.interval,
+                       budget.prefill_chunk)
+
+
+def prompt_peak_kv_len(prompt_len: int, budget: Budget) -> int:
+    """Most KV-space slots a sequence holds while its prompt is written: the live length
+    before the check at the end of its fullest prefill chunk. The prompt itself without
+    ``prefill_chunk``; at most budget + interval + chunk - 1 with it."""
+    chunk = _chunk(prompt_len, budget.prefill_chunk)
+    b, i = budget.tokens, budget.interval
+    last = _cdiv(prompt_len, chunk) - 1
+    k1, m = _cdiv(b + i, chunk), _cdiv(i, chunk)
+    peak = min(k1, last) * chunk  # boundaries before the first compaction grow by a chunk each
+    if last > k1:
+        peak = max(peak, b + min(m, last - k1) * chunk)
+    before_end, _ = _prompt_end(prompt_len, b, i, chunk)
+    return max(peak, before_end)
 
 
 def peak_kv_len(prompt_len: int, max_len: int, budget: Budget) -> int:
     """Most KV-space slots a sequence of at most ``max_len`` logical tokens needs in one step
-    after its prompt: the live length before a decode step plus the token it writes.
+    after its prompt: the live length before a decode step plus the token it writes (its
+    prompt's peak, ``prompt_peak_kv_len``, when it never decodes).
 
     Bounded by budget + interval whatever ``max_len`` is: what makes H2O's memory per
     sequence predictable, and the bound of what admission keeps free for a running sequence
     (``H2OManager.admission_headroom``).
     """
-    start = cadence_start(prompt_len, budget.tokens, budget.interval)
     last = max_len - 1  # the last decode step starts from max_len - 1 processed tokens
-    peak = min(start, last + 1) - 1 if prompt_len < start else 0
-    if last >= start:
-        peak = max(peak, budget.tokens + min(budget.interval - 1, last - start))
-    return max(peak + 1, 1) if last >= prompt_len else prompt_len
+    if last < prompt_len:
+        return prompt_peak_kv_len(prompt_len, budget)
+    b, i = budget.tokens, budget.interval
+    _, at_end = _prompt_end(prompt_len, b, i, _chunk(prompt_len, budget.prefill_chunk))
+    first_decode_compaction = prompt_len + b + i - at_end
+    peak = at_end + min(first_decode_compaction - 1, last) - prompt_len
+    if last >= first_decode_compaction:
+        peak = max(peak, b + min(i - 1, last - first_decode_compaction))
+    return max(peak + 1, 1)
+
+
+def prefill_peak_kv_len(num_tokens: int, prompt_len: int, budget: Budget) -> int:
+    """Most KV-space slots a sequence holds while ``num_tokens`` tokens are prefilled (its
+    prompt; after a preemption, its prompt and outputs): the whole of them without
+    ``prefill_chunk``; with it, the prompt's peak, or what its prompt kept plus the outputs
+    recomputed in one step."""
+    if budget.prefill_chunk is None:
+        return num_tokens
+    kept = kv_len_after(prompt_len, prompt_len, budget)
+    return max(prompt_peak_kv_len(prompt_len, budget), kept + max(0, num_tokens - prompt_len))
+
+
+def request_peak_blocks(prompt_len: int, max_len: int, budget: Budget, block_size: int,
+                        prefix_caching: bool) -> int:
+    """Most KV blocks one request of at most ``max_len`` tokens holds at once: its prompt's
+    peak or its decode peak, and with prefix caching the fresh blocks its first compaction
+    writes into while it still holds the old ones. What a request must find in the pool."""
+    slots = max(prompt_peak_kv_len(prompt_len, budget), peak_kv_len(prompt_len, max_len, budget))
+    blocks = _cdiv(slots, block_size)
+    if prefix_caching and kv_len_after(max_len, prompt_len, budget) < max_len:
+        blocks += _cdiv(budget.tokens, block_size)
+    return blocks
+
+
+@functools.lru_cache(maxsize=16)  # vLLM asks several times at start-up; a long max_model_len costs
+def engine_peak_blocks(config: H2OConfig, max_model_len: int, block_size: int,
+                       prefix_caching: bool) -> int:
+    """Most KV blocks any request of at most ``max_model_len`` tokens holds at once under the
+    engine's budget (``request_peak_blocks``, the worst prompt length): what the KV pool must
+    hold for an engine to start. Per-request overrides are checked per request."""
+    return max(request_peak_blocks(p, max_model_len, config.budget(p, block_size), block_size,
+                                   prefix_caching) for p in range(1, max_model_len + 1))
 
 
 def select_keep(scores: torch.Tensor, heavy: int, recent: int, sinks: int = 0,

@@ -31,6 +31,7 @@ FLAGS = {
     "obs_window": "--h2o-obs-window",
     "min_tokens": "--h2o-min-tokens",
     "pool_kernel": "--h2o-pool-kernel",
+    "prefill_chunk": "--h2o-prefill-chunk",
 }
 _FLOAT_KEYS = ("heavy_ratio", "recent_ratio", "decay")
 _HELP = {
@@ -52,6 +53,9 @@ _HELP = {
     "pool_kernel": "At the prompt's compaction, rank heavy hitters on their scores max-pooled "
                    "over INT neighbouring tokens (odd; SnapKV's pooling), so a fact spanning a "
                    "few tokens is kept whole; default 1, no pooling.",
+    "prefill_chunk": "Process prompts in chunks of INT tokens and evict between them, so a "
+                     "request holds about budget + interval + INT tokens, not its prompt (and "
+                     "max-model-len may exceed the KV pool); default: a prompt is held whole.",
 }
 
 

@@ -5,7 +5,8 @@ override is a ``ValueError`` that the server answers with HTTP 400 and ``LLM.gen
 """
 from __future__ import annotations
 
-from h2o_vllm.config import REQUEST_KEYS, config_from_additional, request_overrides
+from h2o_vllm.config import REQUEST_KEYS, config_from_additional, request_config, request_overrides
+from h2o_vllm.policy import request_peak_blocks
 
 def _request_error(message: str, value) -> ValueError:
     """A ``ValueError`` that vLLM's async front end also maps to HTTP 400.
@@ -35,3 +36,33 @@ def check_request_overrides(additional_config, extra_args) -> None:
     except ValueError as exc:
         raise _request_error(f"invalid per-request H2O budget ({keys} in extra_args / vllm_xargs): {exc}",
                              given) from None
+
+
+def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, extra_args) -> None:
+    """Raise ``ValueError`` when one request could never fit the KV pool, even alone: with
+    ``max_model_len`` above the pool (an engine with ``prefill_chunk`` starts there) a prompt
+    held whole, or a budget too large, would otherwise wait or be preempted forever. Checked
+    once the engine has reported its pool (``cache_config.num_gpu_blocks``)."""
+    config = config_from_additional(vllm_config.additional_config)
+    cache = vllm_config.cache_config
+    if config is None or not cache.num_gpu_blocks:
+        return
+    # Process 0 sums the pools of data-parallel engines; one request runs in one of them.
+    pool = cache.num_gpu_blocks // max(1, vllm_config.parallel_config.data_parallel_size) - 1
+    max_len = min(prompt_len + (max_tokens or 0), vllm_config.model_config.max_model_len)
+    request = request_config(config, extra_args)
+    budget = request.budget(prompt_len, cache.block_size)
+    need = request_peak_blocks(prompt_len, max_len, budget, cache.block_size,
+                               bool(cache.enable_prefix_caching))
+    if need <= pool:
+        return
+    chunked = budget.prefill_chunk is not None and budget.prefill_chunk < prompt_len
+    how = ("a chunked prompt's peak is about budget + interval + chunk tokens (with prefix caching "
+           "plus the budget again, the fresh blocks of its first compaction): lower h2o_prefill_chunk "
+           "or the budget" if chunked else
+           "the prompt is held whole until its end: set h2o_prefill_chunk (--h2o-prefill-chunk) so "
+           "that H2O evicts between prompt chunks, or lower the budget")
+    raise _request_error(
+        f"this request needs up to {need} KV blocks at once (prompt of {prompt_len} tokens, at most "
+        f"{max_len} in all, H2O budget {budget.tokens} tokens), more than the KV pool's {pool}: {how}",
+        {"prompt_tokens": prompt_len, "max_tokens": max_tokens})

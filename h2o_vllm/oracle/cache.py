@@ -121,11 +121,12 @@ class SequenceState:
         return self.layers[0].kv_len
 
     def compact_if_due(self) -> bool:
-        """The cadence (see Cadence): after the prompt, shrink back to ``budget.tokens`` (sinks +
-        heavy + recent) once the cache has grown ``interval`` tokens past it. Returns whether it
-        compacted."""
+        """The cadence (see Cadence), checked after every step: once the prompt is written (or
+        at the end of each of its chunks, with ``prefill_chunk``), shrink back to
+        ``budget.tokens`` (sinks + heavy + recent) when the cache holds ``interval`` tokens or
+        more past it. Returns whether it compacted."""
         budget = self.budget
-        if budget is None or self.num_tokens < self.prompt_len:
+        if budget is None or (self.num_tokens < self.prompt_len and budget.prefill_chunk is None):
             return False
         if self.kv_len < budget.tokens + budget.interval:
             return False

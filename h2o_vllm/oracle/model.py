@@ -39,8 +39,11 @@ class H2OOracle:
       ``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``attend_and_score``); with
       decay 1 and every weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged.
 
+    - ``prefill_chunk``: the prompt is written one chunk per step (``prefill``), the cadence
+      checked after each, so a chunk's queries attend over what earlier chunks kept.
+
     Each sequence is its own H2O instance (its own prompt length, budget and scores). The prompt
-    is one prefill step; each later token is one decode step. After each call, ``last_states``
+    is one prefill step (one per chunk with ``prefill_chunk``); each later token is one decode step. After each call, ``last_states``
     holds one ``SequenceState`` per sequence: ``state.kv_len`` and, per layer,
     ``state.layers[i].positions`` / ``.scores`` ([num_kv_heads, kv_len]) are the kept tokens.
     """
@@ -70,7 +73,7 @@ class H2OOracle:
         for prompt in prompts:
             state = self.new_state(len(prompt))
             generated: list[int] = []
-            logits = self.step(state, prompt)
+            logits = self.prefill(state, prompt)
             while len(generated) < max_new_tokens:
                 token = int(logits.argmax())
                 generated.append(token)
@@ -84,12 +87,12 @@ class H2OOracle:
     @torch.no_grad()
     def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
         """Teacher-forced log-probabilities [len(continuation)] fp32 of each continuation token,
-        with eviction running: the prompt is one prefill step, then one token per step."""
+        with eviction running: the prompt is prefilled (``prefill``), then one token per step."""
         if not prompt:
             raise ValueError("score() needs a non-empty prompt")
         state = self.new_state(len(prompt))
         logprobs = []
-        logits = self.step(state, prompt)
+        logits = self.prefill(state, prompt)
         for i, token in enumerate(continuation):
             logprobs.append(torch.log_softmax(logits, dim=-1)[token])
             if i + 1 < len(continuation):
@@ -103,6 +106,17 @@ class H2OOracle:
                   for _ in self.model.model.layers]
         budget = None if self.config is None else self.config.budget(prompt_len, self.block_size)
         return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers)
+
+    @torch.no_grad()
+    def prefill(self, state: SequenceState, prompt: list[int]) -> torch.Tensor:
+        """The prompt as one step, or with ``prefill_chunk`` C as one step per chunk (tokens
+        [0, C), [C, 2C), ..., the rest), each followed by the cadence's check. Returns the
+        last step's logits."""
+        chunk = state.budget.prefill_chunk if state.budget is not None else None
+        chunk = chunk or len(prompt)
+        for start in range(0, len(prompt), chunk):
+            logits = self.step(state, prompt[start:start + chunk])
+        return logits
 
     @torch.no_grad()
     def step(self, state: SequenceState, token_ids: list[int]) -> torch.Tensor:

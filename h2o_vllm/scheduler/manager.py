@@ -18,7 +18,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from h2o_vllm.budgets import RequestBudgets
-from h2o_vllm.policy import kv_len_after, peak_kv_len
+from h2o_vllm.policy import kv_len_after, peak_kv_len, prefill_peak_kv_len
 from h2o_vllm.scheduler.records import Record, ScoreRecords
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
@@ -112,8 +112,10 @@ class H2OManager(FullAttentionManager):
         budget = self.budgets.resolve(rid, prompt_len)
         max_len = min(prompt_len + request.max_tokens, max_model_len)
         peak = cdiv(peak_kv_len(prompt_len, max_len, budget), self.block_size)
-        horizon = cdiv(budget.interval, self.block_size)
-        prefill = cdiv(request.num_tokens, self.block_size)  # a recompute prefills its outputs too
+        # A chunked prompt grows a chunk between checks, as a decoding sequence does an interval.
+        horizon = cdiv(max(budget.interval, budget.prefill_chunk or 0), self.block_size)
+        # A recompute prefills its outputs too; a chunked prompt never holds more than its peak.
+        prefill = cdiv(prefill_peak_kv_len(request.num_tokens, prompt_len, budget), self.block_size)
         self._admitted[rid] = (peak, prefill, horizon)
         reserve = sum(self._next_interval_claim(other, len(blocks))
                       for other, blocks in self.req_to_blocks.items() if other != rid)
@@ -133,9 +135,16 @@ class H2OManager(FullAttentionManager):
         return num_tokens - self.num_evicted.get(request_id, 0)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
-                                   *args, **kwargs) -> int:
-        blocks = super().get_num_blocks_to_allocate(
-            request_id, self._kv_tokens(request_id, num_tokens), new_computed_blocks, *args, **kwargs)
+                                   *args, apply_admission_cap: bool = False, **kwargs) -> int:
+        kv_tokens = self._kv_tokens(request_id, num_tokens)
+        if apply_admission_cap:
+            # vLLM checks that a request's whole sequence fits before admitting it
+            # (scheduler_reserve_full_isl), as it caps sliding-window requests at their peak:
+            # H2O caps at the request's peak too (its prompt, unless chunked).
+            kv_tokens = min(kv_tokens, self._prefill_peak(request_id, num_tokens))
+        blocks = super().get_num_blocks_to_allocate(request_id, kv_tokens, new_computed_blocks,
+                                                    *args, apply_admission_cap=apply_admission_cap,
+                                                    **kwargs)
         if self.records is not None:
             # A hit is copied into blocks of the request's own; a first compaction writes into
             # fresh blocks.
@@ -151,6 +160,12 @@ class H2OManager(FullAttentionManager):
                 self.fresh[request_id] = self.block_pool.get_new_blocks(count)
                 self.step_fresh.add(request_id)
         return new
+
+    def _prefill_peak(self, request_id: str, num_tokens: int) -> int:
+        prompt_len = self.prompt_lens.get(request_id)
+        if prompt_len is None:
+            return num_tokens
+        return prefill_peak_kv_len(num_tokens, prompt_len, self.budgets.resolve(request_id, prompt_len))
 
     def _fresh_count(self, request_id: str, num_tokens: int) -> int:
         """Blocks the first compaction needs when it comes in the step that ends at

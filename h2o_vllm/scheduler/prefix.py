@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from h2o_vllm.policy import cadence_start
+from h2o_vllm.policy import first_compaction
 from h2o_vllm.prefix import PrefixOrders
 from h2o_vllm.scheduler.manager import H2OManager
 
@@ -39,14 +39,14 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
     # A request recomputed after preemption may match past its own first compaction (another
     # prompt ran into its outputs); the block counts assume no hit reaches that far.
-    first_compaction = cadence_start(request.num_prompt_tokens, budget.tokens, budget.interval)
-    reachable = min(num_hit_tokens // block_size, (first_compaction - 1) // block_size)
+    # A chunked prompt (prefill_chunk) evicts before its end: no hit reaches past that either.
+    reachable = min(num_hit_tokens // block_size, _blocks_before_first_compaction(manager, request, budget))
     matched = next((j for j, block in enumerate(hit_blocks) if block.block_id in manager.step_cached),
                    reachable)
     matched = min(matched, reachable)
     if budget.obs_window is not None:
-        # Queries before prompt_len - obs_window add nothing: such a prefix scores all zeros.
-        first_scoring = max(0, request.num_prompt_tokens - budget.obs_window)
+        # Queries before its first chunk's window add nothing: such a prefix scores all zeros.
+        first_scoring = max(0, budget.chunk_end(0, request.num_prompt_tokens) - budget.obs_window)
         return min(matched, first_scoring // block_size) * block_size
     cut = 0
     for num_blocks in range(matched, 0, -1):
@@ -78,6 +78,14 @@ def _await_longer_record(manager: H2OManager, request, budget, cut_blocks: int,
             return
 
 
+def _blocks_before_first_compaction(manager: H2OManager, request, budget) -> int:
+    """Whole blocks that end before the request's first compaction: what its hits and the
+    records it writes may cover (the K/V and scores any request computes alike)."""
+    first = first_compaction(request.num_prompt_tokens, budget.tokens, budget.interval,
+                             budget.prefill_chunk)
+    return (first - 1) // manager.block_size
+
+
 def awaits_record(managers, request) -> bool:
     """A waiting request whose longer hit is one step away (``_await_longer_record``)."""
     return any(request.request_id in m.awaiting for m in managers)
@@ -99,8 +107,9 @@ def plan_records(manager: H2OManager, request, start: int) -> None:
     if budget.obs_window is not None:  # its scores of a prefix would be zeros, of use to no one
         return
     last = (request.num_prompt_tokens - 1) // block_size
+    reachable = _blocks_before_first_compaction(manager, request, budget)
     for num_blocks in sorted({manager.longest_match.get(rid, 0), last}):
-        if num_blocks * block_size <= start:
+        if num_blocks * block_size <= start or num_blocks > reachable:
             continue
         key = _key(manager, request, num_blocks, budget.decay)
         if manager.records.has(key):

@@ -11,6 +11,7 @@ from typing import Self
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from h2o_vllm.config import H2OConfig
+from h2o_vllm.policy import engine_peak_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,17 @@ class H2OAttentionSpec(FullAttentionSpec):
     @classmethod
     def from_full(cls, spec: FullAttentionSpec, h2o: H2OConfig) -> "H2OAttentionSpec":
         return cls(**{f: getattr(spec, f) for f in spec.__dataclass_fields__}, h2o=h2o)
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        """What vLLM's start-up check asks the KV pool to hold for one request of
+        ``max_model_len`` tokens. Held whole, a prompt needs all of it (vLLM's answer); with
+        ``prefill_chunk`` a request holds at most its peak (``policy.engine_peak_blocks``), so
+        an engine whose ``max_model_len`` exceeds the pool starts when that peak fits."""
+        if self.h2o.prefill_chunk is None:
+            return super().max_memory_usage_bytes(vllm_config)
+        blocks = engine_peak_blocks(self.h2o, vllm_config.model_config.max_model_len, self.block_size,
+                                    bool(vllm_config.cache_config.enable_prefix_caching))
+        return min(blocks * self.page_size_bytes, super().max_memory_usage_bytes(vllm_config))
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:

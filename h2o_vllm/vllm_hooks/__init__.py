@@ -44,6 +44,14 @@ and version-guard helpers every hook module uses.
   ``allocate_slots``, so a freshly compacted prompt would still hold its whole prompt's blocks
   when an earlier request in the queue preempts it. Remove when vLLM lets a manager free
   blocks at schedule time.
+- ``install_scheduler_hook`` also wraps ``Scheduler._reserve_prefill_lookahead``, the last
+  adjustment vLLM makes to a request's tokens for a step (running and waiting requests both
+  pass through it, after the token budget and ``long_prefill_token_threshold``): with
+  ``prefill_chunk`` the step is cut at the request's next prefill-chunk end
+  (``scheduler.step.limit_prefill_step``). Why: vLLM has no per-request chunk alignment
+  (``long_prefill_token_threshold`` is engine-wide and not aligned to positions); the
+  cadence checks chunk ends, which must not depend on the batch. Upstream: a per-request
+  prefill chunk limit in the scheduler. Remove when vLLM has one.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
   (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
   ``scheduler.step.admission_watermark`` for that one call. Why: H2O sequences have a known, small
@@ -86,6 +94,10 @@ and version-guard helpers every hook module uses.
   Why: per-request budgets (``extra_args`` / ``vllm_xargs``) must be refused before the
   request is queued: ``ValueError`` -> HTTP 400 in the server, raised by ``LLM.generate``.
   Upstream: none needed while SamplingParams has no extension point for extra_args checks.
+- ``install_request_validation_hook`` also wraps ``InputProcessor.process_inputs`` (process 0).
+  Why: only the processed request has its prompt's length and resolved ``max_tokens``; a
+  request that could never fit the KV pool (``frontend.requests.check_request_fits``, with
+  ``max_model_len`` above the pool) is refused there instead of waiting forever.
 - ``install_request_validation_hook`` also wraps ``OpenAIServingCompletion.create_completion``,
   ``OpenAIServingChat.create_chat_completion`` and ``OpenAIServingResponses.create_responses``
   (vllm/entrypoints/openai/*/serving.py), in API-server processes only (a top-level process 0,

@@ -1,6 +1,7 @@
 """Hooks on request validation: per-request H2O budgets refused before queueing (HTTP 400).
 
-Runs in process 0. Two seams, one check (``check_request_overrides``):
+Runs in process 0. Two seams, one check (``check_request_overrides``), and one check of the
+processed request (``check_request_fits``: a request that could never fit the KV pool):
 
 - ``InputProcessor._validate_params``: every request, offline (``LLM.generate`` raises) and
   served. In the server it runs inside the engine client's ``generate``, which a streaming
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import multiprocessing
 
-from h2o_vllm.frontend.requests import check_request_overrides
+from h2o_vllm.frontend.requests import check_request_fits, check_request_overrides
 from h2o_vllm.vllm_hooks.seam import _wrap
 
 
 def install_request_validation_hook() -> None:
     """Refuse bad per-request H2O budgets before the request is queued (HTTP 400)."""
     _wrap("vllm.v1.engine.input_processor:InputProcessor._validate_params", _validate_params_wrapper)
+    _wrap("vllm.v1.engine.input_processor:InputProcessor.process_inputs", _process_inputs_wrapper)
     # The serving modules cost ~0.7 s to import and only API servers use them: not in the
     # spawned engine core and workers.
     if _is_api_server_process():
@@ -52,6 +54,19 @@ def _validate_params_wrapper(original):
             check_request_overrides(self.vllm_config.additional_config, extra_args)
         return result
     return _validate_params
+
+
+def _process_inputs_wrapper(original):
+    """The request as the engine will see it (prompt tokens, max_tokens resolved): refused
+    if it could never fit the KV pool."""
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        params = request.sampling_params
+        if params is not None and request.prompt_token_ids is not None:
+            check_request_fits(self.vllm_config, len(request.prompt_token_ids), params.max_tokens,
+                               params.extra_args)
+        return request
+    return process_inputs
 
 
 def _serving_wrapper(original):

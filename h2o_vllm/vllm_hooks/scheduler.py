@@ -18,6 +18,8 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.add_request", _add_request_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler._free_blocks", _free_blocks_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead",
+          _reserve_prefill_lookahead_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _update_from_output_wrapper)
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _allocate_slots_wrapper)
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
@@ -48,6 +50,19 @@ def _free_blocks_wrapper(original):
             step.finish_request(_h2o_managers(self.kv_cache_manager), request.request_id)
         return original(self, request)
     return _free_blocks
+
+
+def _reserve_prefill_lookahead_wrapper(original):
+    """vLLM's last word on a request's tokens this step, for running and waiting requests
+    alike (after the token budget, ``long_prefill_token_threshold`` and max_model_len): H2O
+    then stops a prefill step at its request's next prefill-chunk end."""
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        num_new_tokens = original(self, request, num_computed_tokens, num_new_tokens)
+        if _h2o_of(self) is None or num_new_tokens == 0:
+            return num_new_tokens
+        return step.limit_prefill_step(_h2o_managers(self.kv_cache_manager), request,
+                                       num_computed_tokens, num_new_tokens)
+    return _reserve_prefill_lookahead
 
 
 def _update_from_output_wrapper(original):

@@ -18,7 +18,7 @@ import torch
 from h2o_vllm import metrics
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget
-from h2o_vllm.policy import cadence_start, live_kv_len
+from h2o_vllm.policy import first_compaction, live_kv_len
 from h2o_vllm.worker.prefix import prefix_plan
 
 
@@ -54,40 +54,46 @@ class StepPlan:
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    budgets: Sequence[Budget]) -> StepPlan:
     """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens)."""
-    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks, b.pool) for b in budgets],
-                         dtype=torch.int64).view(-1, 5)
-    heavy, budget_tokens, interval, sinks, pool = table.unbind(1)
+    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks, b.pool, b.prefill_chunk or 0)
+                          for b in budgets], dtype=torch.int64).view(-1, 6)
+    heavy, budget_tokens, interval, sinks, pool, chunk = table.unbind(1)
+    chunk = torch.where(chunk > 0, chunk, prompt_lens.clamp(min=1))  # unset: the prompt is one chunk
     # Pooling ranks the prompt's compaction only (docs/score-modes.md): later ones rank by score.
-    pool = torch.where(num_computed < cadence_start(prompt_lens, budget_tokens, interval), pool, 1)
-    before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval)
-    after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval)
+    first = first_compaction(prompt_lens, budget_tokens, interval, chunk)
+    pool = torch.where(num_computed < first, pool, 1)
+    before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval, chunk)
+    after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval, chunk)
     seq_lens = before + query_lens
     starts = torch.cumsum(query_lens, 0) - query_lens
     decay = torch.tensor([b.decay for b in budgets], dtype=torch.float32)
     weights = scale = None
     if any(b.decay != 1.0 or b.obs_window is not None for b in budgets):
-        weights, scale = _query_weights(num_computed, query_lens, prompt_lens, budgets, starts)
+        weights, scale = _query_weights(num_computed, query_lens, prompt_lens, chunk, budgets, starts)
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
                     kv_lens_after=after, heavy=heavy, sinks=sinks, pool=pool, due=after < seq_lens,
                     query_starts=starts, decay=decay, query_weights=weights, score_scale=scale)
 
 
 def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
-                   budgets: Sequence[Budget], starts: torch.Tensor):
+                   chunk: torch.Tensor, budgets: Sequence[Budget], starts: torch.Tensor):
     """(query_weights [num_tokens], score_scale [num_reqs]) fp32, or (None, None) when all are 1.
+    ``chunk``: each row's prefill chunk (its prompt length where unset).
 
-    Budget.query_weight is a step in the position: 0 below prompt_len - obs_window, 1 from it
-    on; it is evaluated here for all tokens at once (tests/unit/worker/test_plan.py checks the
+    Budget.query_weight is 1 for a prompt query among the last obs_window of its prefill
+    chunk (the prompt, without prefill_chunk) and for every later one, else 0; it is evaluated
+    here for all tokens at once (tests/unit/worker/test_plan.py checks the
     two agree), since a prompt chunk can hold thousands of tokens. Powers are taken in fp64.
     """
     decay = torch.tensor([b.decay for b in budgets], dtype=torch.float64)
-    # No window: every position counts (positions are >= 0). A window past the prompt's start
-    # gives a negative first position, so again every query counts.
-    first = torch.tensor([0 if b.obs_window is None else int(p) - b.obs_window
-                          for b, p in zip(budgets, prompt_lens.tolist())], dtype=torch.int64)
+    # No window: a window longer than any chunk, so every query counts.
+    window = torch.tensor([b.obs_window if b.obs_window is not None else 2**62 for b in budgets],
+                          dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(query_lens.shape[0]), query_lens)
     j = torch.arange(rows.shape[0]) - starts[rows]          # index of the token in its row
-    counts = (num_computed[rows] + j >= first[rows]).to(torch.float64)
+    position = num_computed[rows] + j
+    prompt = prompt_lens[rows]
+    chunk_end = torch.minimum((position // chunk[rows] + 1) * chunk[rows], prompt)
+    counts = ((position >= prompt) | (position >= chunk_end - window[rows])).to(torch.float64)
     weights = (decay[rows] ** (query_lens[rows] - 1 - j) * counts).to(torch.float32)
     scale = (decay ** query_lens).to(torch.float32)
     if bool((weights == 1).all()) and bool((scale == 1).all()):

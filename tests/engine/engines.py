@@ -119,8 +119,11 @@ def worker_block_ids(runner, request_id: str) -> list[int]:
         tables = runner.block_tables
         return tables.block_tables[0].gpu[slot, :int(tables.num_blocks.np[0, slot])].tolist()
     held = list(runner.requests[request_id].block_ids[0])
-    row = runner.input_batch.req_id_to_index[request_id]
-    assert runner.input_batch.block_table[0].num_blocks_per_row[row] == len(held)
+    # A running request the last step did not schedule (the token budget ran out) has left
+    # V1's input batch; its state keeps the blocks.
+    row = runner.input_batch.req_id_to_index.get(request_id)
+    if row is not None:
+        assert runner.input_batch.block_table[0].num_blocks_per_row[row] == len(held)
     return held
 
 

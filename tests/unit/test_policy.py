@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.policy import cadence_start, kv_len_after, live_kv_len, peak_kv_len, select_keep
+from h2o_vllm.policy import first_compaction, kv_len_after, live_kv_len, peak_kv_len, select_keep
 
 # --------------------------------------------------------------------------- live_kv_len
 
@@ -72,7 +72,7 @@ def test_compaction_cadence(prompt_len, budget_tokens, interval):
     live = _lives(prompt_len, budget_tokens, interval, upto)
     compactions = [n for n in range(1, upto + 1) if live[n] < live[n - 1] + 1]
     first = max(prompt_len, budget_tokens + interval)
-    assert cadence_start(prompt_len, budget_tokens, interval) == first
+    assert first_compaction(prompt_len, budget_tokens, interval) == first
     assert compactions, "never compacted"
     assert compactions[0] == first
     assert all(n >= prompt_len for n in compactions)
@@ -292,3 +292,81 @@ def test_pooling_keeps_the_neighbours_of_a_peak():
     # Pooling never reaches into the sinks or the recent window: token 7's score is not a candidate's.
     scores = torch.tensor([9.0, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 9.0])
     assert select_keep(scores, 1, 1, sinks=1, pool=3).tolist() == [0, 6, 7]
+
+
+# --------------------------------------------------------------------------- prefill_chunk
+
+chunks = st.one_of(st.none(), st.integers(1, 64))
+
+
+def _walk(prompt_len, budget_tokens, interval, chunk, upto):
+    """The rule, one token at a time (independent of the closed form): a check at the end of
+    each prefill chunk (multiples of ``chunk`` inside the prompt, the prompt's end) and after
+    every later token; a check finding budget + interval tokens or more compacts to the
+    budget. Returns (live length after each token count, the length before each prompt check)."""
+    live, lives, prompt_checks = 0, [0], []
+    for t in range(1, upto + 1):
+        live += 1
+        in_prompt_check = t <= prompt_len and (t == prompt_len or (chunk and t % chunk == 0))
+        if in_prompt_check:
+            prompt_checks.append(live)
+        if (t >= prompt_len or in_prompt_check) and live >= budget_tokens + interval:
+            live = budget_tokens
+        lives.append(live)
+    return lives, prompt_checks
+
+
+@given(prompt_len=prompt_lens, budget_tokens=budgets, interval=intervals, chunk=chunks)
+def test_closed_form_is_the_rule_walked_token_by_token(prompt_len, budget_tokens, interval, chunk):
+    upto = _horizon(prompt_len, budget_tokens, interval)
+    walked, _ = _walk(prompt_len, budget_tokens, interval, chunk, upto)
+    assert [live_kv_len(n, prompt_len, budget_tokens, interval, chunk) for n in range(upto + 1)] == walked
+    drops = [n for n in range(1, upto + 1) if walked[n] < walked[n - 1] + 1]
+    assert first_compaction(prompt_len, budget_tokens, interval, chunk) == drops[0]
+
+
+@given(rows=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 300), budgets, intervals,
+                               st.integers(1, 64)), min_size=1, max_size=40))
+def test_chunked_tensor_path_equals_int_path(rows):
+    n, prompt_len, budget_tokens, interval, chunk = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows))
+    assert live_kv_len(n, prompt_len, budget_tokens, interval, chunk).tolist() == [
+        live_kv_len(*row) for row in rows]
+    assert first_compaction(prompt_len, budget_tokens, interval, chunk).tolist() == [
+        first_compaction(*row[1:]) for row in rows]
+
+
+@given(prompt_len=st.integers(1, 300), budget_tokens=budgets, interval=intervals, chunk=chunks,
+       decode=st.integers(0, 100))
+def test_peaks_are_the_walked_maxima(prompt_len, budget_tokens, interval, chunk, decode):
+    from h2o_vllm.config import Budget
+    from h2o_vllm.policy import prompt_peak_kv_len
+    budget = Budget(heavy=budget_tokens, recent=0, interval=interval, prefill_chunk=chunk)
+    max_len = prompt_len + decode
+    walked, prompt_checks = _walk(prompt_len, budget_tokens, interval, chunk, max_len)
+    assert prompt_peak_kv_len(prompt_len, budget) == max(prompt_checks)
+    if chunk is None:
+        assert prompt_peak_kv_len(prompt_len, budget) == prompt_len
+    else:  # what a chunked prompt's admission rests on: never more than one chunk past the cadence
+        assert prompt_peak_kv_len(prompt_len, budget) <= budget_tokens + interval + chunk - 1
+    decode_steps = [walked[t] + 1 for t in range(prompt_len, max_len)]
+    expected = max(decode_steps) if decode_steps else max(prompt_checks)
+    assert peak_kv_len(prompt_len, max_len, budget) == expected
+
+
+def test_chunked_examples():
+    # P=20, B=4, I=2, C=5: checks at 5 (5 < 6), 10 (10 -> 4), 15 (9 -> 4), 20 (9 -> 4).
+    lives = [live_kv_len(n, 20, 4, 2, 5) for n in range(24)]
+    assert lives == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 4, 5, 6, 7, 8, 4, 5, 4, 5]
+    assert first_compaction(20, 4, 2, 5) == 10
+    # A chunk at least the prompt is the prompt held whole.
+    assert [live_kv_len(n, 20, 4, 2, 20) for n in range(24)] == [live_kv_len(n, 20, 4, 2) for n in range(24)]
+
+
+@pytest.mark.parametrize("chunk, weights", [
+    (None, [0] * 7 + [1] * 3 + [1, 1]),                 # the prompt's last 3 queries, then all
+    (4, [0, 1, 1, 1, 0, 1, 1, 1, 1, 1] + [1, 1]),       # each chunk's last 3: [0,4) [4,8) [8,10)
+])
+def test_observation_window_per_chunk(chunk, weights):
+    from h2o_vllm.config import Budget
+    budget = Budget(heavy=2, recent=2, interval=1, obs_window=3, prefill_chunk=chunk)
+    assert [budget.query_weight(p, 10) for p in range(12)] == weights

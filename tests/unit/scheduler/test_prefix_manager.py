@@ -508,7 +508,7 @@ def test_recomputed_request_never_hits_past_its_first_compaction():
     """A preempted request comes back as prompt + outputs; another prompt that ran into those
     outputs may have recorded a boundary there. The hit stops before the first compaction
     point, where block counts start to assume compaction."""
-    from h2o_vllm.policy import cadence_start
+    from h2o_vllm.policy import first_compaction
     e = Engine()  # block 4, budget 4 + 4, interval 4
     prompt, outputs = list(range(100, 120)), list(range(900, 912))
     a = _request("a", prompt)
@@ -525,7 +525,7 @@ def test_recomputed_request_never_hits_past_its_first_compaction():
     blocks, n = e.vllm_hit(a)
     assert n == 28  # vLLM would give the whole match
     cut = cut_hit(e.m, a, n, blocks)
-    assert 0 < cut < cadence_start(20, 8, 4) and cut % BLOCK == 0
+    assert 0 < cut < first_compaction(20, 8, 4) and cut % BLOCK == 0
 
 
 def test_a_waiting_request_awaits_a_record_being_written():

@@ -97,3 +97,31 @@ def test_spec_registry_maps_h2o_spec_to_manager():
                                             block_pool=pool, enable_caching=False,
                                             kv_cache_group_id=0, scheduler_block_size=16)
     assert type(manager) is H2OManager and manager.budgets.config == CONFIG
+
+
+def _vllm_config(max_model_len: int, prefix_caching: bool):
+    from types import SimpleNamespace
+    return SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len),
+                           cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_start_up_check_asks_for_a_chunked_requests_peak_not_max_model_len(prefix_caching):
+    """vLLM's start-up check (``check_enough_kv_cache_memory``) asks each spec for one
+    max_model_len request's bytes: a 512-token request, held whole, needs 32 blocks (stock vLLM
+    refuses a 23-block pool); with prefill_chunk 64 and 8 + 8 tokens (interval: one block), its
+    peak is a chunk on top of the budget, 16 + 64 slots (plus one fresh block for its first
+    compaction with prefix caching), and fits."""
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+    config = _vllm_config(512, prefix_caching)
+    full = _full()
+    held_whole = H2OAttentionSpec.from_full(full, H2OConfig(heavy_tokens=8, recent_tokens=8))
+    chunked = H2OAttentionSpec.from_full(full, H2OConfig(heavy_tokens=8, recent_tokens=8, prefill_chunk=64))
+    page = full.page_size_bytes
+    assert held_whole.max_memory_usage_bytes(config) == full.max_memory_usage_bytes(config) == 32 * page
+    assert chunked.max_memory_usage_bytes(config) == (5 + prefix_caching) * page
+    pool = 23 * page
+    with pytest.raises(ValueError, match=r"max seq len \(512\)"):
+        _check_enough_kv_cache_memory(pool, lambda: full.max_memory_usage_bytes(config), 512, lambda m: 0)
+    _check_enough_kv_cache_memory(pool, lambda: chunked.max_memory_usage_bytes(config), 512, lambda m: 0)

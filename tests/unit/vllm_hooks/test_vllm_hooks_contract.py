@@ -78,6 +78,7 @@ SIGNATURES = {
     f"{_SCHEDULER}.add_request": ["self", "request"],
     f"{_SCHEDULER}._free_blocks": ["self", "request"],
     f"{_SCHEDULER}.schedule": ["self", "throttle_prefills"],
+    f"{_SCHEDULER}._reserve_prefill_lookahead": ["self", "request", "num_computed_tokens", "num_new_tokens"],
     f"{_SCHEDULER}.update_from_output": ["self", "scheduler_output", "model_runner_output"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots": [
         "self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
@@ -88,6 +89,10 @@ SIGNATURES = {
     "vllm.engine.arg_utils:EngineArgs.add_cli_args": ["parser"],
     "vllm.v1.engine.input_processor:InputProcessor._validate_params":
         ["self", "params", "supported_tasks"],
+    "vllm.v1.engine.input_processor:InputProcessor.process_inputs": [
+        "self", "request_id", "prompt", "params", "supported_tasks", "arrival_time", "lora_request",
+        "tokenization_kwargs", "trace_headers", "priority", "data_parallel_rank", "resumable",
+        "session_id", "kv_hints"],
     "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.create_completion":
         ["self", "request", "raw_request"],
     "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.create_chat_completion":
@@ -131,6 +136,7 @@ OVERRIDDEN = {
     "vllm.v1.core.kv_cache_manager:KVCacheManager.remove_skipped_blocks":
         ["self", "request_id", "processed_computed_tokens", "num_prompt_tokens"],
     "vllm.v1.kv_cache_interface:FullAttentionSpec.merge": ["specs"],
+    "vllm.v1.kv_cache_interface:FullAttentionSpec.max_memory_usage_bytes": ["self", "vllm_config"],
     "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered": ["vllm_config"],
     "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry.register":
         ["kvcache_spec_cls", "manager_class", "uniform_type_base_spec"],
@@ -325,6 +331,30 @@ def test_allocate_slots_still_applies_the_watermark_to_admissions_only():
     source = inspect.getsource(_resolve("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots")[1])
     assert "watermark_blocks = self.watermark_blocks" in source
     assert re.search(r"request\.status in \(\s*RequestStatus\.WAITING,\s*RequestStatus\.PREEMPTED,?\s*\)", source)
+
+
+def test_every_prefill_step_passes_the_lookahead_reservation_last():
+    """The prefill-chunk limit rides on ``Scheduler._reserve_prefill_lookahead``: vLLM must
+    call it for running and for waiting requests, after every other cap on the step's tokens
+    and right before it gives up on a step of zero tokens."""
+    source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
+    calls = [m.start() for m in re.finditer(r"num_new_tokens = self\._reserve_prefill_lookahead\(", source)]
+    assert len(calls) == 2, "one call for running requests, one for waiting ones"
+    for at in calls:
+        assert "long_prefill_token_threshold < num_new_tokens" in source[:at]
+        assert re.match(r"[^)]*\)\s*(#[^\n]*\s*)*if num_new_tokens == 0", source[at + 40:], re.S)
+    last_cap = max(source.rfind("num_new_tokens = min(num_new_tokens, request_token_budget)", 0, calls[1]),
+                   source.rfind("num_new_tokens = min(\n", 0, calls[0]))
+    assert last_cap != -1
+
+
+def test_admission_checks_the_whole_sequence_with_the_admission_cap():
+    """``H2OManager.get_num_blocks_to_allocate`` caps a request at its peak when vLLM asks with
+    ``apply_admission_cap`` -- as vLLM does for the whole-sequence check before admitting."""
+    source = inspect.getsource(_resolve("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots")[1])
+    check = source[source.index("if full_sequence_must_fit:"):]
+    assert re.search(r"full_num_tokens = min\(request\.num_tokens", check)
+    assert "apply_admission_cap=True" in check[:check.index("return None")]
 
 
 def _fields(path: str) -> set[str]:

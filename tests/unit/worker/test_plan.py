@@ -83,8 +83,10 @@ def test_query_weights_follow_budget_query_weight_and_decay():
     """Token j of row r (logical position i = num_computed[r] + j, last position b) weighs
     decay^(b - i) * Budget.query_weight(i, prompt_len); each row's old scores decay^q_len."""
     budgets = [Budget(2, 2, 1, decay=0.9, obs_window=5), Budget(2, 2, 1),
-               Budget(2, 2, 1, sinks=1, obs_window=3), Budget(2, 2, 1, decay=0.5)]
-    computed, query, prompt = [4, 0, 2, 40], [6, 3, 1, 1], [12, 3, 7, 30]  # row 0 straddles its window
+               Budget(2, 2, 1, sinks=1, obs_window=3), Budget(2, 2, 1, decay=0.5),
+               Budget(2, 2, 1, obs_window=2, prefill_chunk=4)]
+    # Row 0 straddles its window; row 4 (chunks of 4, each scored by its last 2) two chunks.
+    computed, query, prompt = [4, 0, 2, 40, 2], [6, 3, 1, 1, 5], [12, 3, 7, 30, 11]
     plan = step_plan.make_step_plan(t(computed), t(query), t(prompt), budgets)
     assert plan.weighted and plan.query_weights.dtype == plan.score_scale.dtype == torch.float32
     expected = []
@@ -96,8 +98,9 @@ def test_query_weights_follow_budget_query_weight_and_decay():
     assert plan.query_weights.tolist()[:3] == [0.0, 0.0, 0.0]        # row 0: before its window
     assert plan.query_weights.tolist()[6:9] == [1.0, 1.0, 1.0]      # the paper row
     assert plan.query_weights.tolist()[9] == 0.0                     # row 2: before its window
-    assert plan.score_scale.tolist() == pytest.approx([0.9 ** 6, 1.0, 1.0, 0.5], rel=1e-6)
-    assert plan.decay.tolist() == pytest.approx([0.9, 1.0, 1.0, 0.5])
+    assert plan.query_weights.tolist()[11:16] == [1.0, 1.0, 0.0, 0.0, 1.0]  # positions 2..6
+    assert plan.score_scale.tolist() == pytest.approx([0.9 ** 6, 1.0, 1.0, 0.5, 1.0], rel=1e-6)
+    assert plan.decay.tolist() == pytest.approx([0.9, 1.0, 1.0, 0.5, 1.0])
 
 
 def test_pooling_ranks_only_each_rows_first_compaction():
@@ -107,6 +110,17 @@ def test_pooling_ranks_only_each_rows_first_compaction():
     plan = step_plan.make_step_plan(t([0, 5, 11, 6]), t([10, 1, 1, 1]), t([10, 3, 10, 3]), [budget] * 4)
     assert plan.due.tolist() == [True, True, True, False]
     assert plan.pool.tolist() == [5, 5, 1, 1]
+
+
+def test_a_chunked_prompt_compacts_at_chunk_ends_and_pools_only_the_first():
+    # Budget 4 + interval 2, chunks of 5, a 20-token prompt: the chunk ending at 10 compacts
+    # first (pooled), the one ending at 15 again (4 + 5 >= 6); a step ending mid-chunk never does.
+    budget = Budget(2, 2, 2, pool=3, prefill_chunk=5)
+    plan = step_plan.make_step_plan(t([5, 10, 10, 15]), t([5, 5, 3, 5]), t([20] * 4), [budget] * 4)
+    assert plan.kv_lens_before.tolist() == [5, 4, 4, 4]
+    assert plan.kv_lens_after.tolist() == [4, 4, 7, 4]
+    assert plan.due.tolist() == [True, True, False, True]
+    assert plan.pool.tolist() == [3, 1, 1, 1]
 
 
 def test_armed_plan_is_taken_once_and_only_for_its_batch():

@@ -44,7 +44,7 @@ def _run(query_prefill, query_decode, keys, values, scores, table, kv_len, targe
     views = CacheViews(None, None, keys.permute(0, 2, 3, 1), keys, values)
     scores_by_head = scores.permute(0, 2, 1)
     prompt_len = kv_len - 1
-    # cadence_start = max(prompt_len, target + interval) = kv_len: the decode step compacts.
+    # first_compaction = max(prompt_len, target + interval) = kv_len: the decode step compacts.
     budget = Budget(heavy=heavy, recent=target - heavy, interval=kv_len - target)
     block_table = table[None]
     ops = _RecordingOps()

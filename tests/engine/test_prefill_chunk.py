@@ -1,0 +1,115 @@
+"""``prefill_chunk``: H2O evicts between prompt chunks, token for token the dense oracle, and a
+prompt longer than the KV pool completes.
+
+One in-process engine (CPU path) whose ``max_model_len`` exceeds its KV pool serves the matrix
+(budgets x chunk sizes x prompts shorter and much longer than a chunk) concurrently, with
+vLLM's own token budget splitting steps elsewhere than at chunk ends, prefix caching on (every
+prompt repeats per budget) and one request aborted mid-run; the scheduler's block lists are
+checked against the worker's after every step. The CUDA path (the switch, interpreted Triton)
+serves a smaller matrix the same way.
+"""
+import os
+
+import pytest
+import torch
+
+from budgets import BUDGETS, MODES, extra_args, oracle
+from engines import (check_block_lists, greedy, random_prompts, run_steps, scheduler_of,
+                     vllm_engine)
+
+BLOCK = 16
+MAX_TOKENS = 12
+#: The pool holds 24 blocks (384 tokens); max_model_len is 512. Stock vLLM refuses to start
+#: there; with prefill_chunk H2O starts since one request's peak fits (policy.engine_peak_blocks;
+#: the check itself: tests/unit/scheduler/test_spec.py).
+NUM_BLOCKS, MAX_MODEL_LEN = 24, 512
+ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "prefill_chunk": 64}
+# One token, shorter than every chunk, a few chunks, and longer than the whole pool.
+PROMPT_LENGTHS = (1, 17, 100, 450)
+PROMPTS = random_prompts(PROMPT_LENGTHS, seed=3)
+CHUNKS = (8, 24, 64)
+BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1",
+                "all-modes-tokens-6+6-interval1", "pool-5-window-8-tokens-8+8-interval1"]
+CASES = [(name, chunk) for name in BUDGET_NAMES for chunk in CHUNKS]
+
+
+def _budget(name: str, chunk: int) -> dict:
+    return {**{**BUDGETS, **MODES}[name], "prefill_chunk": chunk}
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def serve_matrix(model_dir, cases, prompts, env=None, **kwargs) -> dict:
+    """{case: outputs per prompt} from one in-process engine, driven step by step: block lists
+    checked after every step, one extra request aborted mid-run, the pool drained at the end.
+    Also returns what the run saw (evictions, steps that stopped inside a chunk)."""
+    params = [greedy(MAX_TOKENS, extra_args=extra_args(_budget(*case))) for case in cases for _ in prompts]
+    with vllm_engine(model_dir, in_process=True, env=env, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+                     num_gpu_blocks_override=NUM_BLOCKS, max_num_batched_tokens=40, max_num_seqs=8,
+                     enable_prefix_caching=True, additional_config={"h2o": ENGINE_H2O}, **kwargs) as llm:
+        scheduler = scheduler_of(llm)
+        pool = scheduler.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        seen = {"evicted": [], "mid_prompt_evictions": 0, "peak_blocks": 0}
+
+        def check():
+            seen["evicted"].extend(check_block_lists(llm, ENGINE_H2O, BLOCK))
+            seen["mid_prompt_evictions"] += sum(
+                r.num_computed_tokens < r.num_prompt_tokens and r.num_computed_tokens > 0
+                and len(scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+                        .req_to_blocks[r.request_id]) * BLOCK < r.num_computed_tokens
+                for r in scheduler.running)
+            seen["peak_blocks"] = max(seen["peak_blocks"], NUM_BLOCKS - 1 - pool.get_num_free_blocks())
+
+        all_prompts = prompts * len(cases)
+        aborted = str(len(all_prompts))
+        by_id = run_steps(llm, all_prompts + [prompts[-1]], params + [params[-1]], on_step=check,
+                          abort_after=(6, [aborted]))
+        assert aborted not in by_id
+        assert pool.get_num_free_blocks() == free_before, "blocks leaked"
+    outputs = [by_id[str(i)] for i in range(len(all_prompts))]
+    n = len(prompts)
+    return {case: outputs[i * n:(i + 1) * n] for i, case in enumerate(cases)}, seen
+
+
+@pytest.fixture(scope="module")
+def cpu_outputs(tiny_llama_dir):
+    return serve_matrix(tiny_llama_dir, CASES, PROMPTS)
+
+
+def test_the_run_evicted_inside_prompts_and_held_a_prompt_longer_than_the_pool(cpu_outputs):
+    _, seen = cpu_outputs
+    assert max(seen["evicted"]) > 0
+    assert seen["mid_prompt_evictions"] > 0, "no prompt was ever compacted before its end"
+    assert max(PROMPT_LENGTHS) > (NUM_BLOCKS - 1) * BLOCK  # longer than the pool, and it completed
+
+
+@pytest.mark.parametrize("name, chunk", CASES)
+def test_chunked_prefill_matches_dense_oracle(cpu_outputs, hf_model, name, chunk):
+    outputs, _ = cpu_outputs
+    expected = oracle(hf_model, _budget(name, chunk), BLOCK).generate(PROMPTS, MAX_TOKENS)
+    for length, got, want in zip(PROMPT_LENGTHS, outputs[(name, chunk)], expected):
+        assert got == want, f"prompt of {length} tokens, chunks of {chunk}: diverges from the oracle"
+
+
+def test_chunks_change_what_a_long_prompt_keeps(hf_model):
+    """The control: the oracle's in-prompt eviction is not a no-op on these prompts."""
+    whole = oracle(hf_model, BUDGETS["tokens-8+8-interval1"], BLOCK).generate(PROMPTS[2:], MAX_TOKENS)
+    chunked = oracle(hf_model, _budget("tokens-8+8-interval1", 8), BLOCK).generate(PROMPTS[2:], MAX_TOKENS)
+    assert whole != chunked
+
+
+def test_a_prompt_held_whole_that_cannot_fit_the_pool_is_refused(tiny_llama_dir):
+    """Unchunked, the 450-token prompt would need 29 blocks of a 23-block pool: refused before
+    it is queued, naming the fix; the engine keeps serving."""
+    with vllm_engine(tiny_llama_dir, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+                     num_gpu_blocks_override=NUM_BLOCKS, additional_config={"h2o": ENGINE_H2O}) as llm:
+        too_long = greedy(4, extra_args={"h2o_prefill_chunk": 10_000})
+        with pytest.raises(ValueError, match=r"h2o_prefill_chunk.*--h2o-prefill-chunk|more than the KV pool"):
+            llm.generate([{"prompt_token_ids": PROMPTS[-1]}], too_long, use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": PROMPTS[-1]}], greedy(4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
