@@ -113,8 +113,10 @@ def test_block_lists_follow_live_kv_length_and_agree_with_worker(h2o_llm):
     assert not manager.num_evicted and not manager._admitted, "per-request state outlived its request"
 
 
-def test_preemption_completes_every_request_without_leaking(h2o_llm, monkeypatch):
-    """vLLM's preemption (free everything, recompute later) still works and leaks nothing.
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_preemption_completes_every_request_without_leaking(h2o_llm, monkeypatch, chunk):
+    """vLLM's preemption (free everything, recompute later) still works and leaks nothing,
+    with prompts held whole and evicted between chunks (a recompute then re-runs the chunks).
     The admission headroom makes it rare, so it is turned off here to force preemptions
     (the engine runs in this process, so patching the class reaches its manager)."""
     from h2o_vllm.scheduler.manager import H2OManager
@@ -124,7 +126,9 @@ def test_preemption_completes_every_request_without_leaking(h2o_llm, monkeypatch
     preempted = []
     # A budget that keeps whole prompts and compacts rarely: the pool overflows.
     budget = {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}
-    prompts = random_prompts([150] * 8, seed=3)
+    if chunk:  # long enough prompts that a chunk end inside them compacts (at 256)
+        budget["h2o_prefill_chunk"] = chunk
+    prompts = random_prompts([300 if chunk else 150] * 8, seed=3)
     outputs = run_steps(h2o_llm, prompts, greedy(100, extra_args=budget),
                    on_step=lambda: preempted.extend(r.request_id for r in scheduler.running
                                                     if r.num_preemptions))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from budgets import BUDGETS, MODES, extra_args, oracle
-from engines import (check_block_lists, greedy, random_prompts, run_steps, scheduler_of,
-                     vllm_engine)
+from engines import (check_block_lists, greedy, model_runner_of, random_prompts, run_steps,
+                     scheduler_of, vllm_engine)
 
 BLOCK = 16
 MAX_TOKENS = 12
@@ -51,6 +51,9 @@ def serve_matrix(model_dir, cases, prompts, env=None, **kwargs) -> dict:
     with vllm_engine(model_dir, in_process=True, env=env, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
                      num_gpu_blocks_override=NUM_BLOCKS, max_num_batched_tokens=40, max_num_seqs=8,
                      enable_prefix_caching=True, additional_config={"h2o": ENGINE_H2O}, **kwargs) as llm:
+        layers = model_runner_of(llm).compilation_config.static_forward_context.values()
+        impls = {type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")}
+        assert impls == {"H2OTritonImpl" if env else "H2OCPUImpl"}, impls
         scheduler = scheduler_of(llm)
         pool = scheduler.kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
@@ -65,10 +68,16 @@ def serve_matrix(model_dir, cases, prompts, env=None, **kwargs) -> dict:
                 for r in scheduler.running)
             seen["peak_blocks"] = max(seen["peak_blocks"], NUM_BLOCKS - 1 - pool.get_num_free_blocks())
 
+        longest = max(prompts, key=len)
+        if len(longest) > (NUM_BLOCKS - 1) * BLOCK:  # held whole, it cannot fit the pool
+            with pytest.raises(ValueError) as refused:
+                held_whole = greedy(4, extra_args={"h2o_prefill_chunk": 10_000})
+                llm.generate([{"prompt_token_ids": longest}], held_whole, use_tqdm=False)
+            seen["refused"] = str(refused.value)
         all_prompts = prompts * len(cases)
         aborted = str(len(all_prompts))
         by_id = run_steps(llm, all_prompts + [prompts[-1]], params + [params[-1]], on_step=check,
-                          abort_after=(6, [aborted]))
+                          abort_after=(6, [aborted]), cached=seen.setdefault("cached", {}))
         assert aborted not in by_id
         assert pool.get_num_free_blocks() == free_before, "blocks leaked"
     outputs = [by_id[str(i)] for i in range(len(all_prompts))]
@@ -85,6 +94,8 @@ def test_the_run_evicted_inside_prompts_and_held_a_prompt_longer_than_the_pool(c
     _, seen = cpu_outputs
     assert max(seen["evicted"]) > 0
     assert seen["mid_prompt_evictions"] > 0, "no prompt was ever compacted before its end"
+    # Every prompt repeats per case: hits happen, only before each request's first compaction.
+    assert max(seen["cached"].values()) >= BLOCK
     assert max(PROMPT_LENGTHS) > (NUM_BLOCKS - 1) * BLOCK  # longer than the pool, and it completed
 
 
@@ -103,13 +114,41 @@ def test_chunks_change_what_a_long_prompt_keeps(hf_model):
     assert whole != chunked
 
 
-def test_a_prompt_held_whole_that_cannot_fit_the_pool_is_refused(tiny_llama_dir):
-    """Unchunked, the 450-token prompt would need 29 blocks of a 23-block pool: refused before
-    it is queued, naming the fix; the engine keeps serving."""
-    with vllm_engine(tiny_llama_dir, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
-                     num_gpu_blocks_override=NUM_BLOCKS, additional_config={"h2o": ENGINE_H2O}) as llm:
-        too_long = greedy(4, extra_args={"h2o_prefill_chunk": 10_000})
-        with pytest.raises(ValueError, match=r"h2o_prefill_chunk.*--h2o-prefill-chunk|more than the KV pool"):
-            llm.generate([{"prompt_token_ids": PROMPTS[-1]}], too_long, use_tqdm=False)
-        out = llm.generate([{"prompt_token_ids": PROMPTS[-1]}], greedy(4), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
+def test_a_prompt_held_whole_that_cannot_fit_the_pool_is_refused(cpu_outputs):
+    """Unchunked (a chunk longer than the prompt), the 450-token prompt would need 29 blocks of
+    a 23-block pool: ``LLM.generate`` raised before queueing it, naming the fix, and the same
+    engine then served the matrix."""
+    _, seen = cpu_outputs
+    assert "more than the KV pool's 23" in seen["refused"] and "h2o_prefill_chunk" in seen["refused"]
+
+
+# The CUDA path (H2OTritonAttentionBackend) under the switch, every Triton kernel interpreted
+# (~1-2 s a step here): a smaller matrix on a two-layer model, with async scheduling on.
+SWITCH_CASES = [("tokens-8+8-interval1", 8), ("all-modes-tokens-6+6-interval1", 24)]
+SWITCH_PROMPTS = random_prompts((17, 100), seed=4)
+
+
+@pytest.fixture(scope="module")
+def two_layer_dir(tmp_path_factory):
+    from h2o_vllm.tools import models
+    return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2-layers"), num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def switch_outputs(two_layer_dir):
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("no GPU and TRITON_INTERPRET != 1")
+    from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
+    outputs, seen = serve_matrix(two_layer_dir, SWITCH_CASES, SWITCH_PROMPTS,
+                                 env={SWITCH: "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}, async_scheduling=True)
+    return outputs, seen
+
+
+@pytest.mark.parametrize("name, chunk", SWITCH_CASES)
+def test_cuda_path_chunked_prefill_matches_dense_oracle(switch_outputs, two_layer_dir, name, chunk):
+    from transformers import AutoModelForCausalLM
+    outputs, seen = switch_outputs
+    assert seen["mid_prompt_evictions"] > 0
+    model = AutoModelForCausalLM.from_pretrained(two_layer_dir, dtype=torch.float32).eval()
+    expected = oracle(model, _budget(name, chunk), BLOCK).generate(SWITCH_PROMPTS, MAX_TOKENS)
+    assert outputs[(name, chunk)] == expected

@@ -16,7 +16,9 @@ from engines import random_prompts, scheduler_of, vllm_engine
 BLOCK = 16
 BUDGETS = [{"heavy_ratio": 0.1, "recent_ratio": 0.1},  # with the default floor
            {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1},
-           {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1, "min_tokens": 0}]
+           {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1, "min_tokens": 0},
+           # Evicting between prompt chunks: every rank cuts the same chunks.
+           {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1, "prefill_chunk": 16}]
 PROMPTS = random_prompts([1, 17, 64, 150], seed=21)
 MAX_TOKENS = 40
 

@@ -122,3 +122,30 @@ def test_flags_score_modes_fold_and_refuse():
     from h2o_vllm.frontend.requests import check_request_overrides
     with pytest.raises(ValueError, match="h2o_pool_kernel"):
         check_request_overrides({"h2o": {}}, {"h2o_pool_kernel": 2})
+
+
+def _served(num_gpu_blocks, h2o, max_model_len=4096, prefix_caching=False, dp=1):
+    from types import SimpleNamespace
+    return SimpleNamespace(
+        additional_config={"h2o": h2o},
+        cache_config=SimpleNamespace(num_gpu_blocks=num_gpu_blocks, block_size=16,
+                                     enable_prefix_caching=prefix_caching),
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(data_parallel_size=dp))
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_naming_the_fix():
+    """65 blocks (64 usable): a 2,000-token prompt held whole needs 125; in chunks of 256 at
+    8 + 8 tokens it needs 17; the pool's size comes from the engine (unknown before: no check)."""
+    from h2o_vllm.frontend.requests import check_request_fits
+    tokens = {"heavy_tokens": 8, "recent_tokens": 8}
+    with pytest.raises(ValueError, match=r"needs up to 125 KV blocks.*pool's 64.*h2o_prefill_chunk"):
+        check_request_fits(_served(65, tokens), 2000, 16, None)
+    check_request_fits(_served(65, tokens), 2000, 16, {"h2o_prefill_chunk": 256})
+    check_request_fits(_served(65, {**tokens, "prefill_chunk": 256}), 2000, 16, None)
+    check_request_fits(_served(None, tokens), 2000, 16, None)
+    with pytest.raises(ValueError, match="lower h2o_prefill_chunk or the budget"):
+        check_request_fits(_served(65, tokens), 2000, 16, {"h2o_prefill_chunk": 1100})
+    # Data parallel: process 0 sums the engines' pools; a request runs in one.
+    with pytest.raises(ValueError, match="pool's 64"):
+        check_request_fits(_served(130, tokens, dp=2), 2000, 16, None)

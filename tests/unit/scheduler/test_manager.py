@@ -192,3 +192,45 @@ def test_manager_holds_cdiv_kv_len_blocks_every_step(prompt_len, heavy, recent, 
         freed += held - cdiv(kv, block_size)
         assert m.block_pool.get_num_free_blocks() + len(m.req_to_blocks["r"]) == capacity
         assert m.num_evicted["r"] == processed - kv and m.num_freed_blocks == freed
+
+
+# --------------------------------------------------------------------------- prefill_chunk
+
+CHUNKED = H2OConfig(heavy_tokens=8, recent_tokens=8, prefill_chunk=32)  # budget 16 + 16, chunks of 32
+
+
+def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
+    """A 400-token prompt in chunks of 32: each chunk end compacts (16 + 32 >= 32), so the row
+    never holds more than 16 + 32 tokens, and the whole-sequence check vLLM makes before
+    admitting (``apply_admission_cap``) asks for that peak, not for 25 blocks."""
+    from h2o_vllm.scheduler import step
+    m = _manager(CHUNKED)
+    request = _request("r", 400, max_tokens=8)
+    step.add_request([m], request)
+    assert m.get_num_blocks_to_allocate("r", 400, [], 0, 0, 400, apply_admission_cap=True) == 3
+    assert m.get_num_blocks_to_allocate("r", 400, [], 0, 0, 400) == 25  # what it asks uncapped
+    during, computed = [], 0
+    while computed < 400:
+        num_new = step.limit_prefill_step([m], request, computed, 40)  # vLLM offers 40 tokens
+        assert num_new == min(32 - computed % 32, 400 - computed)     # never past a chunk's end
+        _grow(m, "r", computed + num_new)
+        during.append(len(m.req_to_blocks["r"]))                      # while the step runs
+        computed += num_new
+        m.cut_scheduled("r", computed, 400)
+        assert len(m.req_to_blocks["r"]) == cdiv(kv_len_after(computed, 400, CHUNKED.budget(400, BLOCK)), BLOCK)
+    assert max(during) == 3 and m.num_freed_blocks >= 2 * (400 // 32 - 1)
+    assert step.limit_prefill_step([m], request, 400, 1) == 1  # decoding: no limit
+    m.free("r")
+    assert m.block_pool.get_num_free_blocks() == m.block_pool.num_gpu_blocks - 1
+
+
+def test_admission_headroom_claims_a_chunked_prompts_peak_not_its_length():
+    unchunked, chunked = _manager(), _manager(CHUNKED)
+    for m, extra in ((unchunked, None), (chunked, {"h2o_prefill_chunk": 32})):
+        request = _request("new", 400, extra_args=extra)
+        m.budgets.resolve("new", 400, extra)
+        m.prompt_lens["new"] = 400
+        m._headroom = m.admission_headroom(request, 32, MAX_LEN)  # its first chunk now
+    assert unchunked._headroom == 25 - 2  # the rest of the prompt, held whole
+    # Chunked: its prompt's peak (16 + 32 tokens: 3 blocks) less the 2 allocated now.
+    assert chunked._headroom == 1
