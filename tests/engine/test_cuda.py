@@ -36,6 +36,7 @@ if ON_GPU:
                "v1-eager-chunked-async": dict(CHUNKED, env={V2_ENV: "0"}),
                "v1-eager-chunked-sync": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"})}
     STOCK_TRITON = dict(plugins=False)
+    H2O_OFF = {}
 else:
     MAX_TOKENS = 16
     # Shorter than the budget, past one block, and long enough to be prefilled in two chunks
@@ -61,7 +62,13 @@ else:
                # dtype (bf16 is refused); the peaky model keeps greedy tokens clear of fp16
                # rounding, so the fp32 oracle still applies
                "defaults-fp16": dict(dtype="float16", env={V2_ENV: "1"})}
-    STOCK_TRITON = {}  # the plugin's seams select TRITON_ATTN on the CPU; H2O stays off
+    # The plugin's seams select TRITON_ATTN on the CPU; H2O stays off. The control and the
+    # H2O-off engine run their engine core in this process: a CPU engine in its own processes
+    # spawns an engine core and a worker, ~30 s of start-up each time (in process: ~7 s).
+    # Spawned processes under the switch stay covered: the prefix-cache case (V1) and
+    # defaults-fp16 (V2) start theirs.
+    STOCK_TRITON = dict(in_process=True)
+    H2O_OFF = dict(in_process=True)
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET != 1", allow_module_level=True)
 PROMPTS = random_prompts(PROMPT_LENGTHS)
@@ -179,7 +186,7 @@ def _run_checking_blocks(llm, prompts, params) -> list[list[int]]:
 
 def test_cuda_h2o_off_is_stock_triton_attention(tiny_llama_dir, stock_triton_outputs):
     """Plugin loaded, H2O off, H2O's backend named explicitly: stock vLLM's tokens."""
-    with _engine(tiny_llama_dir, attention_backend="CUSTOM") as llm:
+    with _engine(tiny_llama_dir, attention_backend="CUSTOM", **H2O_OFF) as llm:
         assert generate_ids(llm, PROMPTS, greedy(MAX_TOKENS)) == stock_triton_outputs
 
 
