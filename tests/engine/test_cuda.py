@@ -124,9 +124,41 @@ MATRIX = BUDGET_NAMES + ["larger", "engine-default"]
 @pytest.fixture(scope="module", params=list(ENGINES))
 def h2o_outputs(request, tiny_llama_dir):
     """{budget name: outputs} from one H2O engine serving the whole matrix per request."""
-    outputs = _serve(serve_matrix, tiny_llama_dir, ENGINES[request.param])
+    if _v2(ENGINES[request.param]) and not ON_GPU:
+        result = request.getfixturevalue("v2_matrix_outputs")[request.param]
+        if isinstance(result, str):  # this engine failed in the shared process: its traceback
+            pytest.fail(f"{request.param} (shared V2 process):\n{result}", pytrace=False)
+        outputs = result
+    else:
+        outputs = _serve(serve_matrix, tiny_llama_dir, ENGINES[request.param])
     n = len(PROMPTS)
     return {name: outputs[i * n:(i + 1) * n] for i, name in enumerate(MATRIX)}
+
+
+V2_CPU_ENGINES = [name for name, kwargs in ENGINES.items() if _v2(kwargs)] if not ON_GPU else []
+
+
+@pytest.fixture(scope="module")
+def v2_matrix_outputs(tiny_llama_dir):
+    """Without a GPU: every V2 engine of ENGINES served in turn by one fresh process, which
+    imports torch, vLLM and Triton once for all of them; {name: outputs, or the traceback it
+    failed with}, so that a failing engine fails its own tests only."""
+    envs = {name: {**DEVICE.get("env", {}), **ENGINES[name].get("env", {})} for name in V2_CPU_ENGINES}
+    env = envs[V2_CPU_ENGINES[0]]
+    assert all(e == env for e in envs.values()), "the V2 engines need one process environment"
+    return in_fresh_process(serve_matrices, tiny_llama_dir, V2_CPU_ENGINES, env=env)
+
+
+def serve_matrices(model_dir, names) -> dict[str, list[list[int]] | str]:
+    """``serve_matrix`` for each named engine in turn, in this process."""
+    import traceback
+    results = {}
+    for name in names:
+        try:
+            results[name] = serve_matrix(model_dir, ENGINES[name])
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
 
 
 def serve_matrix(model_dir, kwargs) -> list[list[int]]:
