@@ -36,6 +36,7 @@ if ON_GPU:
                "v1-eager-chunked-async": dict(CHUNKED, env={V2_ENV: "0"}),
                "v1-eager-chunked-sync": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"})}
     STOCK_TRITON = dict(plugins=False)
+    H2O_OFF = {}
 else:
     MAX_TOKENS = 16
     # Shorter than the budget, past one block, and long enough to be prefilled in two chunks
@@ -61,7 +62,13 @@ else:
                # dtype (bf16 is refused); the peaky model keeps greedy tokens clear of fp16
                # rounding, so the fp32 oracle still applies
                "defaults-fp16": dict(dtype="float16", env={V2_ENV: "1"})}
-    STOCK_TRITON = {}  # the plugin's seams select TRITON_ATTN on the CPU; H2O stays off
+    # The plugin's seams select TRITON_ATTN on the CPU; H2O stays off. The control and the
+    # H2O-off engine run their engine core in this process: a CPU engine in its own processes
+    # spawns an engine core and a worker, ~30 s of start-up each time (in process: ~7 s).
+    # Spawned processes under the switch stay covered: the prefix-cache case (V1) and
+    # defaults-fp16 (V2) start theirs.
+    STOCK_TRITON = dict(in_process=True)
+    H2O_OFF = dict(in_process=True)
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET != 1", allow_module_level=True)
 PROMPTS = random_prompts(PROMPT_LENGTHS)
@@ -117,9 +124,41 @@ MATRIX = BUDGET_NAMES + ["larger", "engine-default"]
 @pytest.fixture(scope="module", params=list(ENGINES))
 def h2o_outputs(request, tiny_llama_dir):
     """{budget name: outputs} from one H2O engine serving the whole matrix per request."""
-    outputs = _serve(serve_matrix, tiny_llama_dir, ENGINES[request.param])
+    if _v2(ENGINES[request.param]) and not ON_GPU:
+        result = request.getfixturevalue("v2_matrix_outputs")[request.param]
+        if isinstance(result, str):  # this engine failed in the shared process: its traceback
+            pytest.fail(f"{request.param} (shared V2 process):\n{result}", pytrace=False)
+        outputs = result
+    else:
+        outputs = _serve(serve_matrix, tiny_llama_dir, ENGINES[request.param])
     n = len(PROMPTS)
     return {name: outputs[i * n:(i + 1) * n] for i, name in enumerate(MATRIX)}
+
+
+V2_CPU_ENGINES = [name for name, kwargs in ENGINES.items() if _v2(kwargs)] if not ON_GPU else []
+
+
+@pytest.fixture(scope="module")
+def v2_matrix_outputs(tiny_llama_dir):
+    """Without a GPU: every V2 engine of ENGINES served in turn by one fresh process, which
+    imports torch, vLLM and Triton once for all of them; {name: outputs, or the traceback it
+    failed with}, so that a failing engine fails its own tests only."""
+    envs = {name: {**DEVICE.get("env", {}), **ENGINES[name].get("env", {})} for name in V2_CPU_ENGINES}
+    env = envs[V2_CPU_ENGINES[0]]
+    assert all(e == env for e in envs.values()), "the V2 engines need one process environment"
+    return in_fresh_process(serve_matrices, tiny_llama_dir, V2_CPU_ENGINES, env=env)
+
+
+def serve_matrices(model_dir, names) -> dict[str, list[list[int]] | str]:
+    """``serve_matrix`` for each named engine in turn, in this process."""
+    import traceback
+    results = {}
+    for name in names:
+        try:
+            results[name] = serve_matrix(model_dir, ENGINES[name])
+        except Exception:
+            results[name] = traceback.format_exc()
+    return results
 
 
 def serve_matrix(model_dir, kwargs) -> list[list[int]]:
@@ -179,7 +218,7 @@ def _run_checking_blocks(llm, prompts, params) -> list[list[int]]:
 
 def test_cuda_h2o_off_is_stock_triton_attention(tiny_llama_dir, stock_triton_outputs):
     """Plugin loaded, H2O off, H2O's backend named explicitly: stock vLLM's tokens."""
-    with _engine(tiny_llama_dir, attention_backend="CUSTOM") as llm:
+    with _engine(tiny_llama_dir, attention_backend="CUSTOM", **H2O_OFF) as llm:
         assert generate_ids(llm, PROMPTS, greedy(MAX_TOKENS)) == stock_triton_outputs
 
 

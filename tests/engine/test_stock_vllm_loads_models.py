@@ -1,7 +1,9 @@
 """Stock vLLM (no H2O config) loads the offline model directories and decodes them greedily.
 
 The control every engine test leans on: if these fail, the directories are wrong, not H2O.
-One engine per model, started in turn (~30 s each on 2 cores) and shut down before the next.
+One engine per model, started in turn and shut down before the next, its engine core in this
+process: on the CPU a spawned engine core spawns a worker too, ~30 s more start-up per engine
+on 2 cores for the same code.
 """
 
 import gc
@@ -23,10 +25,11 @@ def engine(request):
     with pytest.MonkeyPatch.context() as mp:
         # vLLM's CPU default reserves a large share of RAM for the KV cache; 1 GiB is plenty here.
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm = LLM(str(model_dir), dtype="float32", max_model_len=1024, enforce_eager=True, seed=0)
     yield model_dir, llm
     # Explicit shutdown: pytest still references the fixture value here, so `del` alone would
-    # leave the engine-core process alive while the next engine starts.
+    # leave the engine core (and its KV cache) alive while the next engine starts.
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()

@@ -119,9 +119,12 @@ class Offline:
         self.out = tempfile.NamedTemporaryFile(prefix="h2o-offline-", suffix=".json", delete=False).name
         spec_path = self.out + ".spec"
         Path(spec_path).write_text(json.dumps(spec))
+        # The engine core in the script's own process: a spawned one brings a spawned worker on
+        # the CPU, two more processes importing vLLM (~15 s each) beside the starting server.
+        env = {**server_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         self.proc = subprocess.Popen([sys.executable, OFFLINE_SCRIPT, spec_path, self.out],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=server_env(), start_new_session=True, text=True)
+                                     env=env, start_new_session=True, text=True)
 
     def result(self, timeout_s: float = 300) -> dict:
         try:
