@@ -50,11 +50,19 @@ def vllm_engine(model_dir, *, plugins: bool = True, in_process: bool = False,
 def in_fresh_process(fn, *args, env: dict[str, str] | None = None):
     """``fn(*args)`` (a module-level function) in a new Python process, started with ``env``
     added to this one's; returns its result."""
-    with pytest.MonkeyPatch.context() as mp:
+    return start_in_fresh_process(fn, *args, env=env).result()
+
+
+def start_in_fresh_process(fn, *args, env: dict[str, str] | None = None):
+    """``in_fresh_process`` without waiting: a future of ``fn(*args)``, so that this process
+    can do other work meanwhile (the process exits once the result is read)."""
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    with pytest.MonkeyPatch.context() as mp:  # the child process copies the environment now
         for key, value in (env or {}).items():
             mp.setenv(key, value)
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(fn, *args).result()
+        future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def scheduler_of(llm):

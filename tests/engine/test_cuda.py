@@ -17,7 +17,8 @@ import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
 from engines import (V2_ENV, check_block_lists, generate_ids, greedy, in_fresh_process,
-                     model_runner_of, random_prompts, run_steps, scheduler_of, vllm_engine)
+                     model_runner_of, random_prompts, run_steps, scheduler_of,
+                     start_in_fresh_process, vllm_engine)
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 ON_GPU = torch.cuda.is_available()
@@ -138,15 +139,24 @@ def h2o_outputs(request, tiny_llama_dir):
 V2_CPU_ENGINES = [name for name, kwargs in ENGINES.items() if _v2(kwargs)] if not ON_GPU else []
 
 
-@pytest.fixture(scope="module")
-def v2_matrix_outputs(tiny_llama_dir):
+@pytest.fixture(scope="module", autouse=True)
+def v2_matrix_future(tiny_llama_dir):
     """Without a GPU: every V2 engine of ENGINES served in turn by one fresh process, which
     imports torch, vLLM and Triton once for all of them; {name: outputs, or the traceback it
-    failed with}, so that a failing engine fails its own tests only."""
+    failed with}, so that a failing engine fails its own tests only. Started with the module
+    and read when the V2 tests come: the interpreter runs a kernel on one core, so the V2
+    process and this one's engines share the two cores for most of the module."""
+    if not V2_CPU_ENGINES:
+        return None
     envs = {name: {**DEVICE.get("env", {}), **ENGINES[name].get("env", {})} for name in V2_CPU_ENGINES}
     env = envs[V2_CPU_ENGINES[0]]
     assert all(e == env for e in envs.values()), "the V2 engines need one process environment"
-    return in_fresh_process(serve_matrices, tiny_llama_dir, V2_CPU_ENGINES, env=env)
+    return start_in_fresh_process(serve_matrices, tiny_llama_dir, V2_CPU_ENGINES, env=env)
+
+
+@pytest.fixture(scope="module")
+def v2_matrix_outputs(v2_matrix_future):
+    return v2_matrix_future.result()
 
 
 def serve_matrices(model_dir, names) -> dict[str, list[list[int]] | str]:
