@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     q.add_argument("--gen-len", type=int, default=48)
     q.add_argument("--passkey-samples", type=int, default=4)
     q.add_argument("--passkey-filler", type=int, default=2000)
+    q.add_argument("--tasks", default="ppl,gen,passkey", help="quality.py's tasks")
     args = p.parse_args(argv)
     if not args.one and not args.mode:
         p.error("a mode: capacity, throughput or quality")
@@ -253,7 +254,9 @@ def throughput_table(result: dict) -> str:
     meta = result["meta"]
     lines = [f"{meta['args']['num_requests']} requests x ({meta['args']['prompt_len']} + "
              f"{meta['args']['output_len']}) tokens, all at once; KV pool {meta['num_blocks'] - 1} blocks x 32 = "
-             f"{(meta['num_blocks'] - 1) * 32} tokens (plus the null block) for every config; prefix caching off.", "",
+             f"{(meta['num_blocks'] - 1) * 32} tokens (plus the null block) for every config; prefix caching off. "
+             f"Load average (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in meta['loadavg_before'])}, after "
+             f"{'/'.join(f'{x:.1f}' for x in meta['loadavg_after'])} (2 cores; configs run one after the other).", "",
              "| workload | config | requests/s | x stock | output tok/s | total tok/s | running mean / peak "
              "| KV blocks mean / peak (in-step peak) | preemptions |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
@@ -268,7 +271,7 @@ def throughput_table(result: dict) -> str:
 def quality_argv(args, model: str, out: Path) -> list[str]:
     policies = [f"{p}{suffix}" for p in args.policies.split(",")
                 for suffix in ["", *(f"@c{c}" for c in args.chunks.split(","))]]
-    return ["--model", model, "--texts", "gpl3", "--budgets", args.budget, "--policies", ",".join(policies),
+    return ["--model", model, "--texts", "gpl3", "--tasks", args.tasks, "--budgets", args.budget, "--policies", ",".join(policies),
             "--ppl-windows", "1", "--ppl-prompt-len", str(args.prompt_len),
             "--ppl-continuation-len", str(args.ppl_continuation_len), "--gen-prompts", str(args.gen_prompts),
             "--gen-prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
@@ -291,10 +294,13 @@ def quality_rows(result: dict) -> list[dict]:
 
 def quality_table(result: dict) -> str:
     a = result["meta"]["args"]
-    lines = [f"Budget {float(a['budgets']) * 100:g}% of the prompt. ppl: {a['ppl_continuation_len']} GPL-3 tokens "
-             f"after a {a['ppl_prompt_len']}-token prompt (dense oracle, interval 1); ROUGE-L vs stock vLLM: "
-             f"{a['gen_prompts']} prompts of {a['gen_prompt_len']} tokens, {a['gen_len']} greedy tokens; pass-key: "
-             f"the key first, {a['passkey_filler']} tokens of GPL-3, the question.", "",
+    what = {"ppl": f"ppl: {a['ppl_continuation_len']} GPL-3 tokens after a {a['ppl_prompt_len']}-token prompt "
+                   "(dense oracle, interval 1)",
+            "gen": f"ROUGE-L vs stock vLLM: {a['gen_prompts']} prompt(s) of {a['gen_prompt_len']} tokens, "
+                   f"{a['gen_len']} greedy tokens",
+            "passkey": f"pass-key: the key first, {a['passkey_filler']} tokens of GPL-3, the question"}
+    lines = [f"Budget {float(a['budgets']) * 100:g}% of the prompt. "
+             + "; ".join(what[t] for t in a["tasks"].split(",")) + ".", "",
              "| policy | prefill chunk | ppl (vs full) | ROUGE-L vs full | pass-key |", "|---|---|---|---|---|"]
     for r in quality_rows(result):
         ppl = "" if r["ppl"] is None else f"{r['ppl']:.2f}" + (
