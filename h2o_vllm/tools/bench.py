@@ -49,15 +49,19 @@ def engine_env(omp_threads: str) -> dict[str, str]:
     return env
 
 
-def run_child(script: str, job: dict, stem: Path, env: dict[str, str], what: str) -> dict:
+def run_child(script: str, job: dict, stem: Path, env: dict[str, str], what: str,
+              timeout: float | None = None) -> dict:
     """Run ``script --one <job>`` in a fresh process (own engine, clean memory and timing),
-    its output in ``<stem>.log``; returns the dict it wrote to ``job["result"]``."""
+    its output in ``<stem>.log``; returns the dict it wrote to ``job["result"]``. ``timeout``
+    (s): the child is killed past it and ``subprocess.TimeoutExpired`` raised."""
     job_path, log_path = Path(f"{stem}.job.json"), Path(f"{stem}.log")
     job_path.write_text(json.dumps(job))
-    with open(log_path, "w") as log:
-        rc = subprocess.run([sys.executable, script, "--one", str(job_path)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    job_path.unlink()
+    try:
+        with open(log_path, "w") as log:
+            rc = subprocess.run([sys.executable, script, "--one", str(job_path)], timeout=timeout,
+                                env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    finally:
+        job_path.unlink()
     if rc != 0:
         raise RuntimeError(f"{what} failed (exit {rc}); see {log_path}")
     result_path = Path(job["result"])
@@ -95,6 +99,10 @@ MODES: dict[str, dict[str, Any]] = {
     "window8+sinks": {"obs_window": 8, "sink_tokens": 4},
 }
 
+#: A policy name may end in ``@c<N>``: the same policy with ``prefill_chunk = N`` (the prompt
+#: processed in chunks of N tokens, evicting between them). ``h2o@c256``, ``window+pool@c64``.
+CHUNK_SUFFIX = "@c"
+
 
 def h2o_config(policy: str, budget: float | None, max_model_len: int | None = None,
                interval: int = 32) -> dict[str, Any] | None:
@@ -105,11 +113,18 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
     max_model_len tokens, which no sequence processes (the overhead of score tracking alone;
     a larger budget is refused by h2o_vllm.frontend.conflicts). "h2o": half heavy, half recent (the
     paper's 0.1 + 0.1 = 20%). "local": recent only, the paper's baseline. A name of ``MODES``:
-    the "h2o" budget with that mode's keys. The budgets are the fractions they are named for:
-    no floor (``min_tokens`` 0) unless the mode sets one.
+    the "h2o" budget with that mode's keys. Any of these but "stock" with ``@c<N>``
+    (``CHUNK_SUFFIX``): plus ``prefill_chunk = N``. The budgets are the fractions they are
+    named for: no floor (``min_tokens`` 0) unless the mode sets one.
     """
     if policy == "stock":
         return None
+    if CHUNK_SUFFIX in policy:
+        base, _, chunk = policy.partition(CHUNK_SUFFIX)
+        config = h2o_config(base, budget, max_model_len, interval)
+        if config is None or not chunk.isdigit():
+            raise ValueError(f"{policy!r}: an H2O policy, then {CHUNK_SUFFIX}<tokens>, e.g. h2o@c256")
+        return {**config, "prefill_chunk": int(chunk)}
     if policy == "full":
         if max_model_len is None:
             raise ValueError("policy 'full' needs max_model_len")
@@ -160,6 +175,7 @@ class RunStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_blocks: int = 0
+    peak_blocks_allocated: int = 0  # pool blocks not free right after any allocation (in-step peak)
     running: list[int] = field(default_factory=list)      # per step, after it
     blocks_used: list[int] = field(default_factory=list)  # per step, after it
 
@@ -168,6 +184,7 @@ class RunStats:
             return sum(xs) / len(xs) if xs else 0.0
         out = {k: v for k, v in asdict(self).items() if k not in ("running", "blocks_used")}
         out.update(
+            requests_s=self.num_requests / self.elapsed_s,
             output_tok_s=self.output_tokens / self.elapsed_s,
             total_tok_s=(self.prompt_tokens + self.output_tokens) / self.elapsed_s,
             mean_running=mean(self.running), peak_running=max(self.running, default=0),
@@ -188,8 +205,9 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     """Submit every prompt at once, step the engine to the end, sample the scheduler per step.
 
     running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
-    excluded); preemptions: calls of ``Scheduler._preempt_request`` (counted by an
-    instance-level wrapper, this engine only). ``progress``: a tqdm bar advanced per finished request.
+    excluded); peak_blocks_allocated: the same right after each ``BlockPool.get_new_blocks``
+    (a step's peak, before the compactions it ends with free blocks); preemptions: calls of
+    ``Scheduler._preempt_request`` (counted by an instance-level wrapper, this engine only). ``progress``: a tqdm bar advanced per finished request.
     """
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)
@@ -201,7 +219,15 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
         stats.num_preemptions += 1
         return preempt(*args, **kwargs)
 
+    def tracking_get_new_blocks(*args, **kwargs):
+        blocks = get_new_blocks(*args, **kwargs)
+        stats.peak_blocks_allocated = max(stats.peak_blocks_allocated,
+                                          pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        return blocks
+
+    get_new_blocks = pool.get_new_blocks
     scheduler._preempt_request = counting_preempt
+    pool.get_new_blocks = tracking_get_new_blocks
     try:
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
@@ -220,4 +246,5 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
         stats.elapsed_s = time.perf_counter() - start
     finally:
         del scheduler._preempt_request
+        del pool.get_new_blocks
     return stats

@@ -1,0 +1,48 @@
+"""benchmarks/long_prompts.py runs end to end at a tiny size (capacity: two fresh engines,
+~15-30 s each on 2 cores); the throughput and quality modes only build their flags here (the
+scripts they call have their own run: test_benchmarks_run.py).
+
+Not a measurement: benchmarks/README.md has the real commands.
+"""
+import importlib.util
+import json
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_long_prompts", BENCHMARKS / "long_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_capacity_runs(tiny_llama_dir, tmp_path):
+    """A 200-token prompt, a 160-token pool: H2O holding the prompt whole refuses the request,
+    H2O with prefill chunks completes within its predicted peak. (Stock vLLM refusing to start
+    is vLLM's own check, left out to keep this under a minute.)"""
+    out = tmp_path / "capacity"
+    result = _load().main(["capacity", "--model", str(tiny_llama_dir), "--lengths", "200",
+                           "--output-len", "8", "--num-blocks", "6",
+                           "--configs", "h2o-req:0.2,tokens@c32:16+16", "--out", str(out)])
+    saved = json.loads((out / "capacity.json").read_text())
+    assert (out / "capacity.png").stat().st_size > 0 and "| H2O 16+16 tokens, chunk 32 | yes" in (
+        out / "capacity.md").read_text()
+    whole, chunked = saved["runs"]
+    assert saved["pool_tokens"] == 160 and result["runs"] == saved["runs"]
+    assert (whole["completed"], whole["stage"]) == (False, "request") and "h2o_prefill_chunk" in whole["error"]
+    assert chunked["completed"] and chunked["num_preemptions"] == 0
+    assert 0 < chunked["peak_blocks_allocated"] <= chunked["predicted_peak_blocks"] <= 5
+
+
+def test_throughput_and_quality_flags(tmp_path):
+    module = _load()
+    args = module.parse_args(["throughput"])
+    argv = module.throughput_argv(args, "M", tmp_path)
+    assert argv[argv.index("--num-blocks") + 1] == str(2 * 65 + 1)  # two 2,064-token sequences + null
+    args = module.parse_args(["quality", "--chunks", "64,256"])
+    argv = module.quality_argv(args, "M", tmp_path)
+    assert argv[argv.index("--policies") + 1] == "h2o,h2o@c64,h2o@c256,window+pool,window+pool@c64,window+pool@c256"
+    from h2o_vllm.tools import bench
+    assert bench.h2o_config("window+pool@c64", 0.2) == {**bench.h2o_config("window+pool", 0.2), "prefill_chunk": 64}
