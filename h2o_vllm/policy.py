@@ -46,9 +46,13 @@ def _boundary_live(k: IntOrTensor, budget_tokens: IntOrTensor, interval: IntOrTe
     (``k * chunk < prompt_len``): nothing is evicted until a boundary finds budget + interval
     tokens or more (boundary ``k1``), and from there one compaction every ``m`` chunks, each
     back to the budget (ARCHITECTURE.md, "Prefill chunks")."""
-    k1 = _cdiv(budget_tokens + interval, chunk)
-    m = _cdiv(interval, chunk)
+    k1, m = _compacting_boundaries(budget_tokens, interval, chunk)
     return _where(k < k1, k * chunk, budget_tokens + ((k - k1) % m) * chunk)
+
+
+def _compacting_boundaries(budget_tokens, interval, chunk):
+    """(the first chunk boundary that compacts, chunks between later compactions)."""
+    return _cdiv(budget_tokens + interval, chunk), _cdiv(interval, chunk)
 
 
 def _prompt_end(prompt_len, budget_tokens, interval, chunk):
@@ -115,7 +119,7 @@ def prompt_peak_kv_len(prompt_len: int, budget: Budget) -> int:
     chunk = _chunk(prompt_len, budget.prefill_chunk)
     b, i = budget.tokens, budget.interval
     last = _cdiv(prompt_len, chunk) - 1
-    k1, m = _cdiv(b + i, chunk), _cdiv(i, chunk)
+    k1, m = _compacting_boundaries(b, i, chunk)
     peak = min(k1, last) * chunk  # boundaries before the first compaction grow by a chunk each
     if last > k1:
         peak = max(peak, b + min(m, last - k1) * chunk)
