@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--stock-concurrency", type=int, default=2,
                    help="the pool holds this many full sequences (plus vLLM's null block)")
     t.add_argument("--workloads", default="text")
+    t.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run stock vLLM with a pool that holds every request at once: the most any "
+                        "memory saving can buy on this machine (memory is then not the limit)")
     q = modes.choices["quality"]
     q.add_argument("--policies", default=QUALITY_POLICIES, help="each also with every --chunks suffix")
     q.add_argument("--chunks", default=QUALITY_CHUNKS)
@@ -240,11 +243,13 @@ def capacity_plot(result: dict, path: Path) -> None:
 
 # --------------------------------------------------------------------------- throughput and quality
 
-def throughput_argv(args, model: str, out: Path) -> list[str]:
-    """throughput.py's flags; its pool is ``--stock-concurrency`` full sequences of 32-token
-    blocks plus the null block vLLM takes from it (else stock vLLM preempts near the end)."""
-    num_blocks = args.stock_concurrency * -(-(args.prompt_len + args.output_len) // 32) + 1
-    return ["--model", model, "--workloads", args.workloads, "--configs", args.configs,
+def throughput_argv(args, model: str, out: Path, configs: str | None = None,
+                    concurrency: int | None = None) -> list[str]:
+    """throughput.py's flags; its pool is ``concurrency`` (default ``--stock-concurrency``) full
+    sequences of 32-token blocks plus the null block vLLM takes from it (else stock vLLM preempts
+    near the end)."""
+    num_blocks = (concurrency or args.stock_concurrency) * -(-(args.prompt_len + args.output_len) // 32) + 1
+    return ["--model", model, "--workloads", args.workloads, "--configs", configs or args.configs,
             "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--num-blocks", str(num_blocks),
             "--block-size", "32", "--omp-threads", args.omp_threads, "--seed", str(args.seed), "--out", str(out)]
@@ -263,6 +268,14 @@ def throughput_table(result: dict) -> str:
         stock = next(s for s in result["runs"] if s["workload"] == r["workload"] and s["policy"] == "stock")
         lines.append(f"| {r['workload']} | {r['config']} | {r['requests_s']:.3f} | {r['requests_s'] / stock['requests_s']:.2f} "
                      f"| {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {r['mean_running']:.1f} / {r['peak_running']} "
+                     f"| {r['mean_blocks_used']:.1f} / {r['peak_blocks_used']} ({r['peak_blocks_allocated']}) "
+                     f"| {r['num_preemptions']} |")
+    for r in result.get("ceiling", {}).get("runs", []):
+        stock = next(s for s in result["runs"] if s["workload"] == r["workload"] and s["policy"] == "stock")
+        pool = result["ceiling"]["meta"]["num_blocks"] - 1
+        lines.append(f"| {r['workload']} | stock, {pool} blocks (every request fits: the memory ceiling) "
+                     f"| {r['requests_s']:.3f} | {r['requests_s'] / stock['requests_s']:.2f} | {r['output_tok_s']:.1f} "
+                     f"| {r['total_tok_s']:.1f} | {r['mean_running']:.1f} / {r['peak_running']} "
                      f"| {r['mean_blocks_used']:.1f} / {r['peak_blocks_used']} ({r['peak_blocks_allocated']}) "
                      f"| {r['num_preemptions']} |")
     return "\n".join(lines) + "\n"
@@ -354,6 +367,10 @@ def main(argv=None) -> dict:
     if args.mode == "throughput":
         import throughput
         result = throughput.main(throughput_argv(args, model, out))
+        if args.ceiling:
+            result["ceiling"] = throughput.main(
+                throughput_argv(args, model, out / "ceiling", "stock", args.num_requests))
+            (out / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
         (out / "long_prompts.md").write_text(throughput_table(result))
     elif args.mode == "quality":
         import quality

@@ -32,7 +32,8 @@ def query_coefficients(num_new: int, decay: float = 1.0,
 
 def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
                      query_chunk: int = DEFAULT_QUERY_CHUNK, *, decay: float = 1.0,
-                     weights: torch.Tensor | None = None) -> torch.Tensor:
+                     weights: torch.Tensor | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this step's queries over ``cache``, adding their probabilities to its scores.
 
     ``queries``: [num_q_heads, num_new, head_dim] fp32 (after RoPE), for the ``num_new`` tokens
@@ -48,6 +49,11 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
     ``decay ** (num_new - 1 - i) * weights[i] * p_i`` (``query_coefficients``). ``weights``:
     [num_new] (None: all 1). Scores of the step's own new slots start at 0, so scaling them
     is moot.
+
+    The probabilities are the model's own: logits soft-capped (``cap * tanh(logits / cap)``,
+    Gemma 2) before the softmax, and ``sinks`` ([num_q_heads] logits, gpt-oss) in each softmax's
+    denominator without a slot of their own (their share is nobody's score). A sliding-window
+    cache (``cache.window``) shows each query its last ``window`` tokens.
     """
     num_q_heads, num_new, head_dim = queries.shape
     num_kv_heads = cache.keys.shape[0]
@@ -66,11 +72,20 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
         visible = num_old + end  # slots [0, visible) are seen by at least one query of the chunk
         # logits: [num_kv_heads, group, chunk, visible] fp32
         logits = torch.matmul(q[:, :, start:end], keys[:, None, :visible].transpose(-1, -2)) * scaling
-        if end - start > 1:
-            rows = torch.arange(num_old + start, num_old + end).unsqueeze(-1)
-            future = torch.arange(visible).unsqueeze(0) > rows  # [chunk, visible]
-            logits = logits.masked_fill(future, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        rows = torch.arange(num_old + start, num_old + end).unsqueeze(-1)
+        slots = torch.arange(visible).unsqueeze(0)
+        hidden = slots > rows  # [chunk, visible]: the future
+        if cache.window is not None:  # slots are positions there (never compacted)
+            hidden = hidden | (slots <= rows - cache.window)
+        if bool(hidden.any()):
+            logits = logits.masked_fill(hidden, float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            sink = sinks.reshape(num_kv_heads, group, 1, 1).expand(-1, -1, end - start, 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         if coef is None:
             scores[:, :visible] += probs.sum(dim=(1, 2))
         else:

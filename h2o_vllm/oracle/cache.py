@@ -17,10 +17,14 @@ class LayerCache:
 
     Every KV head holds the same number of live tokens (``kv_len``) but its own set of them.
     Slot order is logical order: appends go to the end and compaction preserves order.
+    ``window``: a sliding-window layer's window (each query sees its last ``window`` tokens);
+    such a layer is never compacted, so its slot index is the logical position.
     """
 
-    def __init__(self, num_kv_heads: int, head_dim: int, capacity: int = 64) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, capacity: int = 64,
+                 window: int | None = None) -> None:
         capacity = max(capacity, 1)
+        self.window = window
         # keys, values: [num_kv_heads, capacity, head_dim] fp32, KV-space; keys after RoPE.
         self._keys = torch.zeros(num_kv_heads, capacity, head_dim)
         self._values = torch.zeros(num_kv_heads, capacity, head_dim)
@@ -108,17 +112,23 @@ class SequenceState:
 
     ``num_tokens`` counts the logical tokens whose K/V have been written (for ``generate``, the
     last generated token is never written). ``budget=None`` means a full cache, no eviction.
+    ``layers`` holds ``None`` for a layer no step has reached yet.
     """
 
     prompt_len: int
     budget: Budget | None
-    layers: list[LayerCache] = field(default_factory=list)
+    layers: list[LayerCache | None] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
+    def evicting(self) -> list[LayerCache]:
+        """The full-attention layers: those H2O evicts from (sliding-window layers keep their own)."""
+        return [layer for layer in self.layers if layer is not None and layer.window is None]
+
+    @property
     def kv_len(self) -> int:
-        """Live tokens per (layer, KV head); the same in every layer and head."""
-        return self.layers[0].kv_len
+        """Live tokens per (full-attention layer, KV head); the same in every one of them."""
+        return self.evicting[0].kv_len
 
     def compact_if_due(self) -> bool:
         """The cadence (see Cadence), checked after every step: once the prompt is written (or
@@ -132,7 +142,7 @@ class SequenceState:
             return False
         # Pooling ranks only the first compaction, the one that compresses the prompt.
         pool = budget.pool if self.kv_len == self.num_tokens else 1
-        for layer in self.layers:
+        for layer in self.evicting:
             layer.compact(budget.heavy, budget.recent, budget.sinks, pool)
         return True
 

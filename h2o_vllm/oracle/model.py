@@ -1,28 +1,82 @@
-"""The dense H2O oracle: a Hugging Face Llama-family causal LM run layer by layer with real
-eviction of K/V (ARCHITECTURE.md, "What H2O is, precisely"). Runs in the caller's process; no vLLM.
+"""The dense H2O oracle: a Hugging Face causal LM whose attention is replaced, through
+transformers' attention-function registry, by real eviction of K/V (ARCHITECTURE.md, "What H2O
+is, precisely"). Runs in the caller's process; no vLLM.
+
+The model's own forward runs every step (embeddings, RoPE or learned positions, qk-norm, fused
+projections, residual layout, final norm), so any architecture whose attention goes through
+``ALL_ATTENTION_FUNCTIONS`` is covered without a forward written here per family; only the
+attention over the cache, the scores and the compaction are the oracle's.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import inspect
+from dataclasses import dataclass
+
 import torch
+from transformers import AttentionInterface
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.oracle.attention import DEFAULT_QUERY_CHUNK, attend_and_score
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
 
+#: The registry name the oracle's attention is installed under while a step runs.
+ATTN_IMPLEMENTATION = "h2o_oracle"
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+@dataclass
+class _Step:
+    """What the attention function needs from the step in progress."""
+
+    state: SequenceState
+    positions: torch.Tensor
+    decay: float
+    weights: torch.Tensor | None
+    query_chunk: int
+
+
+_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("h2o_oracle_step", default=None)
+
+
+def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      softcap=None, sliding_window=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature: ``query`` [1, q_heads, n, head_dim] and
+    ``key``/``value`` [1, kv_heads, n, head_dim] for this step's ``n`` tokens only (the model
+    runs without its own cache). Returns ([1, n, q_heads, head_dim], None).
+
+    ``attention_mask`` is the model's causal mask over the step's own tokens, which
+    ``attend_and_score`` applies itself over the whole live cache. A ``sliding_window`` layer
+    is not evicted: it keeps every token and each query sees its last ``sliding_window``."""
+    step = _STEP.get()
+    if step is None:
+        raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs inside H2OOracle.step only")
+    state, index = step.state, module.layer_idx
+    if state.layers[index] is None:
+        state.layers[index] = LayerCache(key.shape[1], key.shape[-1], capacity=state.prompt_len + 64,
+                                         window=sliding_window)
+    cache = state.layers[index]
+    cache.append(key[0].float(), value[0].float(), step.positions)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend_and_score(query[0].float(), cache, scale, step.query_chunk, decay=step.decay,
+                           weights=step.weights, softcap=softcap,
+                           sinks=None if s_aux is None else s_aux.float())
+    return out.view(1, query.shape[2], query.shape[1], query.shape[3]).to(query.dtype), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _oracle_attention)
 
 
 class H2OOracle:
     """Greedy generation and teacher-forced scoring with H2O eviction, one sequence at a time.
 
-    ``model``: a Hugging Face causal LM of the Llama family (``LlamaForCausalLM`` and lookalikes:
-    ``model.model.{embed_tokens, layers, norm, rotary_emb}`` and ``model.lm_head``; each layer
-    with ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp``;
-    GQA, projection biases and ``q_norm``/``k_norm`` are honoured). Only its weights and
-    submodules are used: attention, scores and compaction are computed here, in fp32.
+    ``model``: a Hugging Face causal LM whose attention modules call transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, OPT, GPT-NeoX,
+    gpt-oss, ...) and carry ``layer_idx``. Its weights and modules run as they are; the
+    attention over the live cache, the scores and the compaction are computed here, in fp32,
+    with the model's scaling, logit soft-cap (``softcap``) and attention sinks (``s_aux``).
+    Sliding-window layers keep every token and attend over their window: H2O evicts from the
+    full-attention layers only, as the engine does.
 
     ``config``: the H2O budget and cadence; ``None`` keeps every token (a full cache). Each
     sequence's ``Budget`` is resolved from it once (``H2OConfig.budget``), as vLLM resolves it:
@@ -57,11 +111,8 @@ class H2OOracle:
         self.config = config
         self.block_size = block_size
         self.query_chunk = query_chunk
-        hf = model.config
-        self.num_q_heads = hf.num_attention_heads
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_q_heads
-        self.scaling = self.head_dim ** -0.5
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_states: list[SequenceState] = []
 
     @torch.no_grad()
@@ -102,8 +153,7 @@ class H2OOracle:
 
     def new_state(self, prompt_len: int) -> SequenceState:
         """An empty sequence whose budget is taken from ``prompt_len``."""
-        layers = [LayerCache(self.num_kv_heads, self.head_dim, capacity=prompt_len + 64)
-                  for _ in self.model.model.layers]
+        layers: list[LayerCache | None] = [None] * self.num_layers  # made by the first step
         budget = None if self.config is None else self.config.budget(prompt_len, self.block_size)
         return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers)
 
@@ -120,44 +170,36 @@ class H2OOracle:
 
     @torch.no_grad()
     def step(self, state: SequenceState, token_ids: list[int]) -> torch.Tensor:
-        """One H2O step: write the tokens' K/V, attend, add scores, compact if due.
-        Returns the fp32 next-token logits [vocab] of the last token."""
-        body = self.model.model
+        """One H2O step: the model's forward over the new tokens at their logical positions,
+        each attention layer writing their K/V, attending and adding scores; then compact if
+        due. Returns the fp32 next-token logits [vocab] of the last token."""
         positions = torch.arange(state.num_tokens, state.num_tokens + len(token_ids))
-        hidden = body.embed_tokens(torch.tensor([token_ids]))  # [1, num_new, hidden]
-        # RoPE at logical positions; cos, sin: [1, num_new, head_dim]
-        cos, sin = body.rotary_emb(hidden, positions.unsqueeze(0))
         decay = 1.0 if state.budget is None else state.budget.decay
-        weights = state.query_weights(positions)  # None: every query counts fully
-        for layer, cache in zip(body.layers, state.layers):
-            residual = hidden
-            attn_in = layer.input_layernorm(hidden)
-            hidden = residual + self._attention(layer.self_attn, attn_in, cache, positions, cos[0], sin[0],
-                                                decay, weights)
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        step = _Step(state, positions, decay, state.query_weights(positions), self.query_chunk)
+        kwargs = {"logits_to_keep": 1} if self._keep_last else {}
+        with self._attention(), _stepping(step):
+            logits = self.model(input_ids=torch.tensor([token_ids]), position_ids=positions[None],
+                                use_cache=False, **kwargs).logits
         state.num_tokens += len(token_ids)
         state.compact_if_due()
-        return self.model.lm_head(body.norm(hidden[:, -1])).float()[0]
+        return logits[0, -1].float()
 
-    def _attention(self, attn, hidden: torch.Tensor, cache: LayerCache, positions: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, decay: float = 1.0,
-                   weights: torch.Tensor | None = None) -> torch.Tensor:
-        num_new = hidden.shape[1]
+    @contextlib.contextmanager
+    def _attention(self):
+        """The oracle's attention installed for one step, the model's own restored after (the
+        caller's model stays usable as it was)."""
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
 
-        def heads(proj, num_heads, norm=None):  # -> [num_heads, num_new, head_dim]
-            x = proj(hidden)[0].view(num_new, num_heads, self.head_dim)
-            if norm is not None:
-                x = norm(x)
-            return x.transpose(0, 1).float()
 
-        q = heads(attn.q_proj, self.num_q_heads, getattr(attn, "q_norm", None))
-        k = heads(attn.k_proj, self.num_kv_heads, getattr(attn, "k_norm", None))
-        v = heads(attn.v_proj, self.num_kv_heads)
-        cos, sin = cos.float(), sin.float()
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        cache.append(k, v, positions)
-        # out: [num_new, q_heads * head_dim]
-        out = attend_and_score(q, cache, self.scaling, self.query_chunk, decay=decay, weights=weights)
-        return attn.o_proj(out.to(hidden.dtype).unsqueeze(0))
+@contextlib.contextmanager
+def _stepping(step: _Step):
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)

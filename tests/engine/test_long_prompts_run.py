@@ -41,6 +41,10 @@ def test_throughput_and_quality_flags(tmp_path):
     args = module.parse_args(["throughput"])
     argv = module.throughput_argv(args, "M", tmp_path)
     assert argv[argv.index("--num-blocks") + 1] == str(2 * 65 + 1)  # two 2,064-token sequences + null
+    assert args.ceiling  # stock with memory for every request runs by default
+    argv = module.throughput_argv(args, "M", tmp_path, "stock", args.num_requests)
+    assert argv[argv.index("--num-blocks") + 1] == str(16 * 65 + 1)
+    assert argv[argv.index("--configs") + 1] == "stock"
     args = module.parse_args(["quality", "--chunks", "64,256"])
     argv = module.quality_argv(args, "M", tmp_path)
     assert argv[argv.index("--policies") + 1] == "h2o,h2o@c64,h2o@c256,window+pool,window+pool@c64,window+pool@c256"
