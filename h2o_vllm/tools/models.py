@@ -145,8 +145,48 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def build_tiny_llama(
+#: Tiny random models of each family the engine is tested on: (config class, model class,
+#: the family's own settings). Every family gets the same sizes from ``build_tiny_model``.
+TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v projection biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # qk-norm
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv and gate/up projections
+    # Soft-capped attention logits; every layer global (a tiny hybrid Gemma is "gemma3").
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 20.0,
+                                                     "final_logit_softcapping": 30.0}),
+    # The paper's other two families: learned absolute positions, no GQA; partial rotary and a
+    # parallel residual.
+    "opt": ("OPTConfig", "OPTForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "use_parallel_residual": True}),
+}
+
+
+def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, intermediate_size: int, vocab_size: int, init_std: float,
+                   max_position_embeddings: int, eos_id: int) -> dict:
+    """The config kwargs of one family at the given sizes (OPT and GPT-NeoX: no GQA, and
+    head_dim = hidden_size / num_heads)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, max_position_embeddings=max_position_embeddings,
+                  bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                  tie_word_embeddings=False)
+    if family == "opt":
+        return {**common, "ffn_dim": intermediate_size, "word_embed_proj_dim": hidden_size, "init_std": init_std}
+    if family == "gpt_neox":
+        return {**common, "intermediate_size": intermediate_size, "initializer_range": init_std}
+    kwargs = {**common, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
+              "intermediate_size": intermediate_size, "initializer_range": init_std}
+    if family == "gemma2":
+        kwargs.update(query_pre_attn_scalar=head_dim, layer_types=["full_attention"] * num_layers,
+                      sliding_window=None)
+    return kwargs
+
+
+def build_tiny_model(
     out_dir: str | os.PathLike,
+    family: str = "llama",
     *,
     num_layers: int = 4,
     hidden_size: int = 128,
@@ -159,7 +199,8 @@ def build_tiny_llama(
     seed: int = 0,
     max_position_embeddings: int = 4096,
 ) -> Path:
-    """Save a tiny random GQA LlamaForCausalLM (fp32) plus a locally trained byte-level BPE.
+    """Save a tiny random causal LM of ``family`` (``TINY_FAMILIES``; fp32) plus a locally
+    trained byte-level BPE.
 
     `init_std` is the normal std of every linear and embedding weight. At 0.2 (10x Llama's 0.02)
     attention logits have std ~5, so each query attends to a few keys: heavy hitters are
@@ -167,26 +208,30 @@ def build_tiny_llama(
     one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...). Same seed, same bytes.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config_class, model_class, own = TINY_FAMILIES[family]
     out = Path(out_dir)
     tokenizer = _tiny_tokenizer(vocab_size, max_position_embeddings)
     eos_id = tokenizer.convert_tokens_to_ids(_TINY_SPECIAL)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings, initializer_range=init_std,
-        tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-    )
+    kwargs = _family_config(family, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                            num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                            vocab_size=vocab_size, init_std=init_std,
+                            max_position_embeddings=max_position_embeddings, eos_id=eos_id)
+    config = getattr(transformers, config_class)(**{**kwargs, **own})
     config.dtype = torch.float32
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, model_class)(config)
     model.save_pretrained(out, safe_serialization=True)
     _save_tokenizer(tokenizer, out)
     return out
+
+
+def build_tiny_llama(out_dir: str | os.PathLike, **sizes) -> Path:
+    """``build_tiny_model`` of the Llama family: the exactness tests' model."""
+    return build_tiny_model(out_dir, "llama", **sizes)
 
 
 def _tiny_tokenizer(vocab_size: int, model_max_length: int):

@@ -1,0 +1,115 @@
+"""The architecture matrix: a tiny random model of every family in ``models.TINY_FAMILIES``
+generates with H2O what the dense oracle does, token for token, under the paper's H2O and the
+recommended score mode (observation window + pooling), on the CPU path and on the CUDA path
+under the switch (``H2O_VLLM_TRITON_ON_CPU=1``, Triton interpreted); after every step each
+running request's block list agrees with the scheduler's count, and the pool drains.
+
+The oracle runs each family through its own transformers forward with H2O's attention
+installed (``h2o_vllm/oracle/model.py``), so what the families differ in (RoPE, partial rotary
+or learned positions, qk-norm, projection biases, fused projections, a parallel residual, MHA
+or GQA, soft-capped logits) is checked against code that shares nothing with vLLM's. Llama's
+full budget matrix is test_exactness.py's and test_cuda.py's; the families here run two layers
+(the interpreter's cost grows with every layer).
+"""
+import pytest
+import torch
+
+from budgets import extra_args, oracle
+from engines import (V2_ENV, check_block_lists, greedy, random_prompts, run_steps, scheduler_of,
+                     start_in_fresh_process, vllm_engine)
+from h2o_vllm.tools import models
+from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
+
+FAMILIES = [family for family in models.TINY_FAMILIES if family not in ("llama", "gemma2")]
+CASES = {
+    "paper": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0},
+    "recommended": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0,
+                    "obs_window": 8, "pool_kernel": 5},
+}
+BLOCK, MAX_TOKENS = 16, 16
+PROMPTS = random_prompts((1, 17, 40, 100))
+# Chunked prefill mixed with decodes; a pool of 20 blocks that the 8 requests contend for.
+ENGINE = dict(in_process=True, block_size=BLOCK, max_model_len=256, max_num_batched_tokens=32,
+              max_num_seqs=8, num_gpu_blocks_override=20, additional_config={"h2o": {}})
+CUDA_SWITCH = {SWITCH: "1", V2_ENV: "0"}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict:
+    return {family: models.build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, num_layers=2)
+            for family in FAMILIES}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_path_future(family_dirs):
+    """The CUDA path's engines, one family after another in one fresh process started with
+    the module (the switch must be set before vLLM is imported there); the interpreter runs on
+    one core, so it shares the two cores with this process's CPU-path engines."""
+    return start_in_fresh_process(serve_families, family_dirs, env=CUDA_SWITCH)
+
+
+def serve_families(family_dirs: dict) -> dict:
+    """{family: outputs, or the traceback its engine failed with}."""
+    import traceback
+    results = {}
+    for family, model_dir in family_dirs.items():
+        try:
+            results[family] = serve(model_dir, "H2OTritonImpl")
+        except Exception:
+            results[family] = traceback.format_exc()
+    return results
+
+
+def serve(model_dir, impl: str) -> list[list[int]]:
+    """Every case's outputs for PROMPTS (case-major), the engine driven step by step with the
+    block lists checked after each."""
+    prompts = PROMPTS * len(CASES)
+    params = [greedy(MAX_TOKENS, extra_args=extra_args(budget)) for budget in CASES.values() for _ in PROMPTS]
+    with vllm_engine(model_dir, **ENGINE) as llm:
+        layers = llm.llm_engine.model_executor.driver_worker.worker.model_runner \
+            .compilation_config.static_forward_context.values()
+        assert {type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")} == {impl}
+        pool = scheduler_of(llm).kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        evicted = []
+        by_id = run_steps(llm, prompts, params,
+                          on_step=lambda: evicted.extend(check_block_lists(llm, {}, BLOCK)))
+        assert max(evicted) > 0, "no request ever evicted: the block check proved nothing"
+        assert pool.get_num_free_blocks() == free_before, "blocks leaked"
+    return [by_id[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def expectations(family_dirs) -> dict:
+    """The oracle's outputs of every family, before any engine of this process runs: vLLM
+    serves GPT-NeoX through its Transformers backend, which rebases transformers' own model
+    class for torch.compile, and the class then builds only inside a vLLM config."""
+    return {family: expected(model_dir) for family, model_dir in family_dirs.items()}
+
+
+def expected(model_dir) -> dict[str, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    full = oracle(model, {"heavy_tokens": 4096, "recent_tokens": 4096}, BLOCK).generate(PROMPTS, MAX_TOKENS)
+    want = {name: oracle(model, budget, BLOCK).generate(PROMPTS, MAX_TOKENS) for name, budget in CASES.items()}
+    assert all(tokens != full for tokens in want.values()), "eviction changed nothing: a weak check"
+    return want
+
+
+def check(family: str, outputs: list[list[int]], want_by_case: dict) -> None:
+    n = len(PROMPTS)
+    for i, (name, want) in enumerate(want_by_case.items()):
+        assert outputs[i * n:(i + 1) * n] == want, f"{family}, {name}: the engine and the oracle differ"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_path_equals_oracle(family, family_dirs, expectations):
+    check(family, serve(family_dirs[family], "H2OCPUImpl"), expectations[family])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_path_equals_oracle(family, expectations, cuda_path_future):
+    result = cuda_path_future.result()[family]
+    if isinstance(result, str):
+        pytest.fail(f"{family} (CUDA path, shared process):\n{result}", pytrace=False)
+    check(family, result, expectations[family])
