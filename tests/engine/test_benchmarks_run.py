@@ -54,9 +54,10 @@ def test_quality_benchmark_runs(tiny_llama_dir, tmp_path):
 
 
 def test_prefix_serving_benchmark_runs(tiny_llama_dir, tmp_path):
-    """Two of the three sides against real servers (the third differs only in its flags, checked
-    here without a server): vLLM's bench serve completes every request, the hit rate comes from
-    the server's counters, H2O's score records from its gauge and stay within their bound."""
+    """One of the three sides against a real server (the other two differ only in their flags,
+    checked here without a server; one server instead of two saves ~100 s of the suite): vLLM's
+    bench serve completes every request, the hit rate comes from the server's counters, H2O's
+    score records from its gauge and stay within their bound."""
     module = _load("prefix_serving")
     args = module.parse_args(["--tiny", "--num-blocks", "20"])
     args.max_model_len = 192
@@ -68,20 +69,18 @@ def test_prefix_serving_benchmark_runs(tiny_llama_dir, tmp_path):
     assert len({tuple(f[:11]) for f, _ in flags.values()}) == 1     # same pool, dtype, seed, length
 
     out = tmp_path / "prefix"
-    report = module.main(["--model", str(tiny_llama_dir), "--tiny", "--sides", "stock-pc,h2o-pc",
+    report = module.main(["--model", str(tiny_llama_dir), "--tiny", "--sides", "h2o-pc",
                           "--out", str(out)])
     saved = json.loads((out / "prefix_serving.json").read_text())
     assert (out / "prefix_serving.png").stat().st_size > 0
-    assert (out / "prefix_serving.md").read_text().count("\n") == 4
-    stock, h2o = saved["sides"]["stock-pc"], saved["sides"]["h2o-pc"]
-    for side in (stock, h2o):
-        assert side["completed"] == args.num_prompts and side["failed"] == 0 and side["idle_at_end"]
-        assert side["total_output_tokens"] == args.num_prompts * args.output_len
-        assert side["cache_config"]["num_gpu_blocks"] == str(report["num_blocks"])
-        assert side["prefix_cache_queries"] == side["prompt_tokens"] == stock["prompt_tokens"]
-        assert side["mean_ttft_ms"] > 0 and side["output_throughput"] > 0
-    assert 0 < h2o["prefix_cache_hits"] <= stock["prefix_cache_hits"]
-    assert stock["score_record_tokens"] is None and h2o["score_record_tokens"] > 0
+    assert (out / "prefix_serving.md").read_text().count("\n") == 3
+    h2o = saved["sides"]["h2o-pc"]
+    assert h2o["completed"] == args.num_prompts and h2o["failed"] == 0 and h2o["idle_at_end"]
+    assert h2o["total_output_tokens"] == args.num_prompts * args.output_len
+    assert h2o["cache_config"]["num_gpu_blocks"] == str(report["num_blocks"])
+    assert h2o["prefix_cache_queries"] == h2o["prompt_tokens"] > 0
+    assert h2o["mean_ttft_ms"] > 0 and h2o["output_throughput"] > 0
+    assert h2o["prefix_cache_hits"] > 0 and h2o["score_record_tokens"] > 0
     shape = saved["model_shape"]
     assert h2o["score_record_bytes"] == h2o["score_record_tokens"] * 4 * shape["num_layers"] * shape["num_kv_heads"]
     # The record pool holds at most one fp32 per KV slot per (layer, KV head).
