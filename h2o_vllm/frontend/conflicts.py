@@ -91,10 +91,6 @@ def check_model(model_config: Any) -> None:
     if getattr(hf, "model_type", None) == "gpt_oss" or any(
             "GptOss" in a for a in getattr(model_config, "architectures", None) or ()):
         refuse("attention sinks (gpt-oss)", "the learned sink logits are left out of H2O's scores")
-    softcap = getattr(hf, "attn_logit_softcapping", None)
-    if softcap:
-        refuse(f"attention logit soft-capping (attn_logit_softcapping={softcap})",
-               "H2O's scores are computed without the cap, so they are not the model's attention")
 
 
 def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> None:

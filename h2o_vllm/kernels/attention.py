@@ -18,8 +18,9 @@ over KV tiles. What it adds, per row kind (docs/cuda.md, "Fused attention"):
   ``prefill_scores.accumulate_prefill_scores_from_lse`` adds the probabilities in one pass over
   K (the separate LSE pass of the unfused path is gone).
 
-Not supported (refused before an engine loads, see ``h2o_vllm.frontend.conflicts``, or by the
-caller): sliding window, ALiBi, soft-capping, sinks, quantised (fp8) caches, non-causal rows.
+Logit soft-capping (``softcap``, Gemma 2) applies to the logits before the softmax, as vLLM's
+kernel does; the scores are the capped softmax. Not supported (refused before an engine loads,
+see ``h2o_vllm.frontend.conflicts``, or by the caller): sliding window, ALiBi, sinks, quantised (fp8) caches, non-causal rows.
 Math: logits, softmax and the accumulator in fp32; Q.K and P.V as vLLM's kernel does them (the
 cache dtype's tensor-core dot, P cast to V's dtype), IEEE fp32 dots for an fp32 cache.
 """
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from h2o_vllm.kernels import check_lens, check_paged, check_query, check_tile, check_weights
-from h2o_vllm.kernels.tiles import LOG2E
+from h2o_vllm.kernels.tiles import LOG2E, soft_cap
 
 
 @triton.jit
@@ -58,14 +59,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def h2o_attention_kernel(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-        lse, logits, decode_offsets, scores, query_weight, score_scale, scale_log2, num_rows,
+        lse, logits, decode_offsets, scores, query_weight, score_scale, scale_log2, cap_log2, num_rows,
         stride_ot, stride_oh, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_bt, stride_lt, stride_lh, stride_gh,
         stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
         SCORE_TILE: tl.constexpr, IEEE: tl.constexpr, SCORES: tl.constexpr,
-        WEIGHTED: tl.constexpr):
+        WEIGHTED: tl.constexpr, SOFTCAP: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = _find_row(query_start_loc, q_block, num_rows, BLOCK_Q)
@@ -108,7 +109,7 @@ def h2o_attention_kernel(
         v = tl.load(value_cache + blk[:, None] * stride_vb + slot[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE, HEAD_PAD]
-        s = _dot(q, k, IEEE) * scale_log2
+        s = soft_cap(_dot(q, k, IEEE) * scale_log2, cap_log2, SOFTCAP)
         visible = m_mask[:, None] & n_mask[None, :] & (offs_n[None, :] <= (ctx_len + q_pos)[:, None])
         s = tl.where(visible, s, float("-inf"))
         if SCORES:
@@ -176,7 +177,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   decode_offsets: torch.Tensor | None = None, num_decode_keys: int = 0,
                   query_weight: torch.Tensor | None = None,
                   score_scale: torch.Tensor | None = None,
-                  tile_n: int = 32, score_tile: int = 128) -> torch.Tensor | None:
+                  softcap: float = 0.0, tile_n: int = 32, score_tile: int = 128) -> torch.Tensor | None:
     """out = causal paged attention of the batch; with ``scores``, also H2O's scores.
 
     query, out: [num_tokens, num_q_heads, head_size] packed by query_start_loc [num_rows + 1]
@@ -231,7 +232,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         unused if decode_offsets is None else decode_offsets,
         unused if scores is None else scores,
         query_weight if weighted else unused, score_scale if weighted else unused,
-        float(scale) * LOG2E, num_rows,
+        float(scale) * LOG2E, float(softcap) * LOG2E, num_rows,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -241,7 +242,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         *(scores.stride() if scores is not None else (0, 0, 0)), block_size,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), TILE=tile_n, SCORE_TILE=score_tile,
-        IEEE=key_cache.dtype == torch.float32, SCORES=scores is not None, WEIGHTED=weighted)
+        IEEE=key_cache.dtype == torch.float32, SCORES=scores is not None, WEIGHTED=weighted,
+        SOFTCAP=softcap > 0)
     return lse
 
 

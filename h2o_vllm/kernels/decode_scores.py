@@ -12,17 +12,18 @@ import triton.language as tl
 
 from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_tile, check_weights,
                               dot_precision)
-from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step
+from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step, soft_cap
 
 
 @triton.jit
 def accumulate_decode_scores_kernel(
         query, key_cache, block_table, kv_seq_lens, scores, query_weight, score_scale, scale_log2,
+        cap_log2,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WEIGHTED: tl.constexpr):
+        WEIGHTED: tl.constexpr, SOFTCAP: tl.constexpr):
     # One program per (row, KV head): the whole GQA group at once, so K is shared by the group.
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -43,7 +44,7 @@ def accumulate_decode_scores_kernel(
         n_mask = offs_n < kv_len
         _, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
                              stride_kb, stride_ks, stride_kh, block_size)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i = online_softmax_step(m_i, l_i, s)
     # Pass 2: exact probabilities, summed over the group, added at the row's slots.
@@ -57,7 +58,7 @@ def accumulate_decode_scores_kernel(
         n_mask = offs_n < kv_len
         blk, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
                                stride_kb, stride_ks, stride_kh, block_size)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]
         col = tl.sum(p, axis=0)
         ptr = scores + blk * stride_sb + kv_head * stride_sh + (offs_n % block_size) * stride_ss
@@ -72,8 +73,10 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
                              block_table: torch.Tensor, kv_seq_lens: torch.Tensor,
                              scores: torch.Tensor, scale: float, *,
                              query_weight: torch.Tensor | None = None,
-                             score_scale: torch.Tensor | None = None, block_n: int = 64) -> None:
-    """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t].
+                             score_scale: torch.Tensor | None = None, softcap: float = 0.0,
+                             block_n: int = 64) -> None:
+    """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t]
+    (the logits soft-capped first with ``softcap`` > 0, as in ``prefill_lse``).
 
     query: [num_rows, num_q_heads, head_size], one decode query per row. Weighted (both or
     neither of query_weight [num_rows] and score_scale [num_rows], fp32): scores of every live
@@ -97,10 +100,11 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
     accumulate_decode_scores_kernel[(num_rows, num_kv_heads)](
         query, key_cache, block_table, kv_seq_lens, scores,
         query_weight if weighted else scores, score_scale if weighted else scores,  # unread
-        float(scale) * LOG2E,
+        float(scale) * LOG2E, float(softcap) * LOG2E,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_table.stride(0),
         scores.stride(0), scores.stride(1), scores.stride(2), key_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted)
+        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted,
+        SOFTCAP=softcap > 0)

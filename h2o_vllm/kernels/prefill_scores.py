@@ -12,16 +12,17 @@ import triton.language as tl
 
 from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_tile, check_weights,
                               dot_precision)
-from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step
+from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step, soft_cap
 
 
 @triton.jit
 def prefill_lse_kernel(
-        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scale_log2,
+        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scale_log2, cap_log2,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     # One program per (row, KV head, tile of BLOCK_M (query, group head) pairs).
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -52,7 +53,7 @@ def prefill_lse_kernel(
         n_mask = offs_n < kv_end
         _, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
                              stride_kb, stride_ks, stride_kh, block_size)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         # Key 0 is visible to every query (padded ones too), so m_i is finite after tile 0.
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -65,12 +66,12 @@ def prefill_lse_kernel(
 @triton.jit
 def accumulate_prefill_scores_kernel(
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores, query_weight,
-        score_scale, first_scored, scale_log2,
+        score_scale, first_scored, scale_log2, cap_log2,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WEIGHTED: tl.constexpr, FRESH: tl.constexpr):
+        WEIGHTED: tl.constexpr, FRESH: tl.constexpr, SOFTCAP: tl.constexpr):
     # One program per (row, KV head, tile of BLOCK_N KV positions): it owns those score columns
     # and loops over the (query, group head) tiles that can see them. Weighted: the columns'
     # old scores are decayed once, at the store, and each query's probabilities are weighted
@@ -108,7 +109,7 @@ def accumulate_prefill_scores_kernel(
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
         row_lse = tl.load(lse + (q_start + tok).to(tl.int64) * stride_lt + q_head * stride_lh,
                           mask=m_mask, other=0.0) * 1.4426950408889634
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         visible = (m_mask[:, None] & n_mask[None, :]
                    & (offs_n[None, :] <= (ctx_len + tok)[:, None]))
         p = tl.where(visible, tl.exp2(s - row_lse[:, None]), 0.0)
@@ -131,9 +132,10 @@ def accumulate_prefill_scores_kernel(
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                 query_start_loc: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float, *,
-                max_query_len: int | None = None, block_m: int = 64,
+                max_query_len: int | None = None, softcap: float = 0.0, block_m: int = 64,
                 block_n: int = 64) -> torch.Tensor:
-    """Per query and query head, ln(sum over visible keys of exp(scale * q . k)), causal.
+    """Per query and query head, ln(sum over visible keys of exp(scale * q . k)), causal
+    (with ``softcap`` > 0, of the capped logits ``softcap * tanh(scale * q . k / softcap)``).
 
     Returns lse: [num_tokens, num_q_heads] fp32. Pass 1 of accumulate_prefill_scores.
     """
@@ -153,11 +155,12 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     prefill_lse_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, float(scale) * LOG2E,
+        float(softcap) * LOG2E,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_table.stride(0), lse.stride(0), lse.stride(1),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype))
+        DOT_PRECISION=dot_precision(key_cache.dtype), SOFTCAP=softcap > 0)
     return lse
 
 
@@ -167,7 +170,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               max_query_len: int | None = None, max_kv_len: int | None = None,
                               query_weight: torch.Tensor | None = None,
                               score_scale: torch.Tensor | None = None,
-                              first_scored: torch.Tensor | None = None,
+                              first_scored: torch.Tensor | None = None, softcap: float = 0.0,
                               block_m: int = 64, block_n: int = 64) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t].
@@ -190,11 +193,12 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     check_paged("key_cache", key_cache, block_table, scores)  # fail before any launch
     check_weights(query_weight, 0, score_scale, query_start_loc.shape[0] - 1, key_cache.device)
     lse = prefill_lse(query, key_cache, block_table, query_start_loc, kv_seq_lens, scale,
-                      max_query_len=max_query_len, block_m=block_m, block_n=block_n)
+                      max_query_len=max_query_len, softcap=softcap, block_m=block_m, block_n=block_n)
     accumulate_prefill_scores_from_lse(query, key_cache, block_table, query_start_loc,
                                        kv_seq_lens, lse, scores, scale, max_kv_len=max_kv_len,
                                        query_weight=query_weight, score_scale=score_scale,
-                                       first_scored=first_scored, block_m=block_m, block_n=block_n)
+                                       first_scored=first_scored, softcap=softcap, block_m=block_m,
+                                       block_n=block_n)
 
 
 def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Tensor,
@@ -205,7 +209,7 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
                                        query_weight: torch.Tensor | None = None,
                                        score_scale: torch.Tensor | None = None,
                                        fresh_new_slots: bool = False,
-                                       first_scored: torch.Tensor | None = None,
+                                       first_scored: torch.Tensor | None = None, softcap: float = 0.0,
                                        block_m: int = 64, block_n: int = 64) -> None:
     """Pass 2 of accumulate_prefill_scores, given each (query, query head)'s causal
     log-sum-exp lse [num_tokens, num_q_heads] fp32 (natural log, indexed like query): from
@@ -243,9 +247,10 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
     accumulate_prefill_scores_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores,
         query_weight if weighted else scores, score_scale if weighted else scores,  # unread
-        first_scored, float(scale) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
+        first_scored, float(scale) * LOG2E, float(softcap) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1), scores.stride(2),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted, FRESH=fresh_new_slots)
+        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted, FRESH=fresh_new_slots,
+        SOFTCAP=softcap > 0)

@@ -31,6 +31,16 @@ def load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
 
 
 @triton.jit
+def soft_cap(s, cap_log2, SOFTCAP: tl.constexpr):
+    """The model's logit soft-cap (Gemma 2: ``cap * tanh(logits / cap)``) on logits s in log2
+    units, with the cap in the same units (``cap * log2(e)``). Applied before masking: a masked
+    -inf would come out as -cap. tanh(x) = 1 - 2 / (exp(2x) + 1) stays finite for every x."""
+    if SOFTCAP:
+        s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap_log2)) + 1.0))
+    return s
+
+
+@triton.jit
 def online_softmax_step(m_i, l_i, s):
     """One key tile of a running (max, sum of exp2) per query row: s [rows, keys] in log2 units,
     masked keys at -inf. Returns the updated (m_i, l_i)."""

@@ -25,8 +25,13 @@ def _row_keys(key_cache: torch.Tensor, block_table: torch.Tensor, row: int,
     return key_cache[blk, off].float(), blk, off
 
 
+def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The model's logit soft-cap (``softcap * tanh(logits / softcap)``; 0: none)."""
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+               weight: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal softmax of the q_len last positions of a row, summed over queries and group
     (each query's probabilities times weight[query] when given).
 
@@ -35,7 +40,7 @@ def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
     """
     q_len, kv_len, num_kv_heads = q.shape[0], k.shape[0], k.shape[1]
     q = q.view(q_len, num_kv_heads, -1, q.shape[-1])  # [q_len, kv_head, group, head_size]
-    logits = torch.einsum("qhgd,khd->hgqk", q, k) * scale
+    logits = _capped(torch.einsum("qhgd,khd->hgqk", q, k) * scale, softcap)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
     visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
     probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
@@ -48,20 +53,23 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
                              block_table: torch.Tensor, kv_seq_lens: torch.Tensor,
                              scores: torch.Tensor, scale: float, *,
                              query_weight: torch.Tensor | None = None,
-                             score_scale: torch.Tensor | None = None, **_tiles: int) -> None:
-    """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t].
+                             score_scale: torch.Tensor | None = None, softcap: float = 0.0,
+                             **_tiles: int) -> None:
+    """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t]
+    (logits soft-capped first with softcap > 0).
 
     query: [num_rows, num_q_heads, head_size], one decode query per row. Weighted (query_weight,
     score_scale [num_rows]): scores = score_scale[row] * scores + query_weight[row] * that sum.
     """
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     accumulate_prefill_scores(query, key_cache, block_table, query_start_loc, kv_seq_lens,
-                              scores, scale, query_weight=query_weight, score_scale=score_scale)
+                              scores, scale, query_weight=query_weight, score_scale=score_scale,
+                              softcap=softcap)
 
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                 query_start_loc: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float,
-                **_tiles: int) -> torch.Tensor:
+                softcap: float = 0.0, **_tiles: int) -> torch.Tensor:
     """lse [num_tokens, num_q_heads] fp32: ln(sum over visible keys of exp(scale * q . k))."""
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     num_kv_heads = key_cache.shape[2]
@@ -70,7 +78,7 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
         kv_len, q_len = int(kv_seq_lens[row]), end - start
         k, _, _ = _row_keys(key_cache, block_table, row, kv_len)
         q = query[start:end].float().view(q_len, num_kv_heads, -1, query.shape[-1])
-        logits = torch.einsum("qhgd,khd->qhgk", q, k) * scale
+        logits = _capped(torch.einsum("qhgd,khd->qhgk", q, k) * scale, softcap)
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -83,7 +91,8 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               kv_seq_lens: torch.Tensor, scores: torch.Tensor, scale: float, *,
                               query_weight: torch.Tensor | None = None,
                               score_scale: torch.Tensor | None = None,
-                              first_scored: torch.Tensor | None = None, **_tiles: int) -> None:
+                              first_scored: torch.Tensor | None = None, softcap: float = 0.0,
+                              **_tiles: int) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t]; kv_seq_lens includes this step's tokens.
 
@@ -104,7 +113,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
             continue
         k, blk, off = _row_keys(key_cache, block_table, row, kv_len)
         weight = None if query_weight is None else query_weight[start:end]
-        col = _row_probs(query[start:end].float(), k, scale, weight)  # [kv_len, num_kv_heads]
+        col = _row_probs(query[start:end].float(), k, scale, weight, softcap)  # [kv_len, num_kv_heads]
         heads = torch.arange(k.shape[1], device=k.device)
         index = (blk[:, None], heads[None, :], off[:, None])
         if score_scale is not None:  # live slots of one row are distinct: no slot scaled twice

@@ -155,13 +155,18 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv and gate/up projections
     # Soft-capped attention logits; every layer global (a tiny hybrid Gemma is "gemma3").
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 20.0,
-                                                     "final_logit_softcapping": 30.0}),
+                                                     "final_logit_softcapping": 30.0,
+                                                     "tie_word_embeddings": True}),  # vLLM ties them
     # The paper's other two families: learned absolute positions, no GQA; partial rotary and a
     # parallel residual.
     "opt": ("OPTConfig", "OPTForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "use_parallel_residual": True}),
 }
 
+#: Families that multiply embeddings by sqrt(hidden_size) and tie the output head (Gemma): at
+#: the common init each token's own embedding outweighs everything attention adds, so every
+#: greedy step repeats the input token whatever is evicted. Their embeddings are shrunk by this.
+_EMBED_SHRINK = {"gemma2": 0.1}
 
 def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, intermediate_size: int, vocab_size: int, init_std: float,
@@ -224,6 +229,9 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, model_class)(config)
+    if family in _EMBED_SHRINK:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(_EMBED_SHRINK[family])
     model.save_pretrained(out, safe_serialization=True)
     _save_tokenizer(tokenizer, out)
     return out

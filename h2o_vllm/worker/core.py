@@ -51,7 +51,6 @@ def check_fusable(impl, sliding_window: bool, quantised_cache: bool) -> None:
     unsupported = {
         "ALiBi": impl.alibi_slopes is not None,
         f"sliding window {impl.sliding_window}": sliding_window,
-        f"logit soft-capping {impl.logits_soft_cap}": bool(impl.logits_soft_cap),
         "attention sinks": impl.sinks is not None,
         f"quantised KV cache {impl.kv_cache_dtype}": quantised_cache,
         f"attention type {impl.attn_type}": impl.attn_type != AttentionType.DECODER,
@@ -130,7 +129,8 @@ class H2OImplMixin:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
         mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
-                                         self.records, accumulated=self.fuses_scores)
+                                         self.records, accumulated=self.fuses_scores,
+                                         softcap=self.logits_soft_cap)
         if mass is not None:
             self._mass.push(mass)
         return output

@@ -20,7 +20,7 @@ from engines import (V2_ENV, check_block_lists, greedy, random_prompts, run_step
 from h2o_vllm.tools import models
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
-FAMILIES = [family for family in models.TINY_FAMILIES if family not in ("llama", "gemma2")]
+FAMILIES = [family for family in models.TINY_FAMILIES if family != "llama"]
 CASES = {
     "paper": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0},
     "recommended": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0,

@@ -29,31 +29,32 @@ class CPUOps:
                             weighted=step.score_scale is not None)
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
-               scores: torch.Tensor, scale: float) -> None:
+               scores: torch.Tensor, scale: float, softcap: float = 0.0) -> None:
         """The prefill rows' attention output into ``out`` and the step's scores (new slots
         zeroed first), after vLLM's kernel has attended the decode rows alone. Replaces the
         zeroing and ``accumulate`` in ``update_scores_and_compact``.
         query, out: [>= num_tokens, num_q_heads, head_size]."""
         zero_new_slots(step, scores)
-        self._decode_scores(step, query, views, scores, scale)
-        self._prefill_rows(step, query, views, scores, scale, out)
+        self._decode_scores(step, query, views, scores, scale, softcap)
+        self._prefill_rows(step, query, views, scores, scale, out, softcap)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,
-                   scores: torch.Tensor, scale: float) -> None:
-        self._decode_scores(step, query, views, scores, scale)
-        self._prefill_rows(step, query, views, scores, scale, None)
+                   scores: torch.Tensor, scale: float, softcap: float = 0.0) -> None:
+        self._decode_scores(step, query, views, scores, scale, softcap)
+        self._prefill_rows(step, query, views, scores, scale, None, softcap)
 
-    def _decode_scores(self, step: H2OStep, query, views: CacheViews, scores, scale: float) -> None:
+    def _decode_scores(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
+                       softcap: float) -> None:
         if step.device_index is None:
             return
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         tokens, rows = step.decode_tokens, step.decode_rows
         accumulate_decode_scores_at(query[tokens], views.key_blocks, scores, step.device_index, scale,
                                     None if weights is None else weights[tokens],
-                                    None if factors is None else factors[rows])
+                                    None if factors is None else factors[rows], softcap)
 
     def _prefill_rows(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
-                      out: torch.Tensor | None) -> None:
+                      out: torch.Tensor | None, softcap: float) -> None:
         """Scores of the rows with several queries, and their attention output unless out is None."""
         if step.prefill_rows is None:
             return
@@ -67,7 +68,7 @@ class CPUOps:
                               None if out is None else out[tokens],
                               None if weights is None else weights[tokens],
                               None if factors is None else factors[row],
-                              0 if firsts is None else firsts[i])
+                              0 if firsts is None else firsts[i], softcap)
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

@@ -30,7 +30,8 @@ TILE = 128
 def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor | None,
                       scores: torch.Tensor, blocks: torch.Tensor, kv_seq_len: int, scale: float,
                       out: torch.Tensor | None = None, query_weight: torch.Tensor | None = None,
-                      score_scale: torch.Tensor | None = None, first_scored: int = 0) -> None:
+                      score_scale: torch.Tensor | None = None, first_scored: int = 0,
+                      softcap: float = 0.0) -> None:
     """One row: ``query`` [q_len, num_heads, head_size] sits at the row's last q_len KV
     positions and attends causally over its first ``kv_seq_len`` keys.
 
@@ -41,7 +42,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
     or None for the scores alone. Weighted (both or neither): query_weight [q_len] fp32,
     score_scale the row's factor (0-dim): scores = score_scale * scores + sum_i w_i * p_i.
     first_scored: queries before it weigh 0 (``H2OStep.prefill_first_scored``); without out
-    they are not computed at all.
+    they are not computed at all. softcap > 0: the logits are soft-capped before the softmax
+    (``softcap * tanh(logits / softcap)``, Gemma 2), as vLLM's kernels do.
     """
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
@@ -62,6 +64,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
             n, end = e - s, first + e  # queries in the tile, keys they reach
             probs = torch.matmul(q[:, s:e].reshape(num_kv_heads, n * group, head_size),
                                  keys[:, :, :end])                       # [Hkv, n * G, end]
+            if softcap:
+                probs.div_(softcap).tanh_().mul_(softcap)
             diagonal = probs.view(num_kv_heads, n, group, end)[..., end - n:]
             diagonal.masked_fill_(causal[:, :n, :, :n], float("-inf"))
             probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()

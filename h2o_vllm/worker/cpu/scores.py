@@ -59,7 +59,7 @@ def scale_blocks(scores: torch.Tensor, blocks: torch.Tensor, factor: torch.Tenso
 def accumulate_decode_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
                              block_table: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float,
                              query_weight: torch.Tensor | None = None,
-                             score_scale: torch.Tensor | None = None) -> None:
+                             score_scale: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """One query per row, all rows at once. query: [R, num_heads, head_size]; block_table:
     [R, max_blocks]; kv_seq_lens: [R] int64. key_blocks: [num_blocks, num_kv_heads,
     head_size, block_size]; scores: [num_blocks, num_kv_heads, block_size] fp32.
@@ -67,13 +67,13 @@ def accumulate_decode_scores(query: torch.Tensor, key_blocks: torch.Tensor, scor
     + query_weight[row] * probs.
     """
     index = decode_index(block_table, kv_seq_lens, key_blocks.shape[3], score_scale is not None)
-    accumulate_decode_scores_at(query, key_blocks, scores, index, scale, query_weight, score_scale)
+    accumulate_decode_scores_at(query, key_blocks, scores, index, scale, query_weight, score_scale, softcap)
 
 
 def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
                                 index: DecodeIndex, scale: float,
                                 query_weight: torch.Tensor | None = None,
-                                score_scale: torch.Tensor | None = None) -> None:
+                                score_scale: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """``accumulate_decode_scores`` with the step's ``DecodeIndex`` already built (with
     ``weighted=True`` when score_scale is given).
 
@@ -88,6 +88,8 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
     # Scaled before the product, as in prefill.py: one small multiply instead of one over the logits.
     q = (as_fp32(query) * scale).view(num_rows, 1, num_kv_heads, num_heads // num_kv_heads, head_size)
     logits = torch.matmul(q, k)                                     # [R, nb, Hkv, G, bs]
+    if softcap:  # the model's own logits (Gemma 2), capped before the softmax as vLLM's kernel does
+        logits.div_(softcap).tanh_().mul_(softcap)
     logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
     logits.masked_fill_(index.padding, float("-inf"))
     probs = logits.softmax(dim=-1).sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)

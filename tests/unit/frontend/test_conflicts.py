@@ -115,7 +115,6 @@ def test_settings_vllm_derived_are_refused_too(overrides, setting):
     (_model(hf={"layer_types": ["full_attention", "sliding_attention"]}), "sliding_attention"),
     (_model(hf={"model_type": "gpt_oss"}), "attention sinks"),
     (_model(architectures=["GptOssForCausalLM"]), "attention sinks"),
-    (_model(hf={"attn_logit_softcapping": 50.0}), "soft-capping"),
 ])
 def test_models_h2o_cannot_handle_are_refused(model, words):
     message = _refusal(conflicts.check_model, model)
@@ -129,6 +128,11 @@ def test_sliding_window_names_the_way_out():
 
 def test_full_attention_layer_types_pass():
     conflicts.check_model(_model(hf={"layer_types": ["full_attention"] * 4, "attn_logit_softcapping": None}))
+
+
+def test_soft_capped_logits_pass():
+    """Gemma 2's cap is in H2O's scores on both devices' paths (test_architectures.py)."""
+    conflicts.check_model(_model(hf={"attn_logit_softcapping": 50.0}))
 
 
 def test_real_model_config_of_a_sliding_window_model(tiny_llama_dir, tmp_path):

@@ -54,7 +54,7 @@ def batch(head_size, group, block_size, dtype):
 
 
 def fused_scores(query, key_cache, value_cache, block_table, query_start_loc, q_lens, kv_lens,
-                 scores, scale, weights):
+                 scores, scale, weights, softcap=0.0):
     """What TritonOps.attend does: the fused kernel, then the prefill rows' pass from its LSE.
     Returns the attention output."""
     out = torch.empty_like(query)
@@ -62,7 +62,7 @@ def fused_scores(query, key_cache, value_cache, block_table, query_start_loc, q_
     lse = attention.h2o_attention(query, key_cache, value_cache, out, block_table,
                                   query_start_loc, int32(kv_lens), scale, scores=scores,
                                   decode_offsets=offsets.to(DEVICE), num_decode_keys=num_keys,
-                                  tile_n=16, score_tile=16, **weights)
+                                  softcap=softcap, tile_n=16, score_tile=16, **weights)
     starts = query_start_loc.tolist()
     rows = [r for r, n in enumerate(q_lens) if n > 1]
     tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(DEVICE)
@@ -74,7 +74,7 @@ def fused_scores(query, key_cache, value_cache, block_table, query_start_loc, q_
         query[tokens], key_cache, block_table[rows],
         int32([0] + torch.tensor([q_lens[r] for r in rows]).cumsum(0).tolist()),
         int32([kv_lens[r] for r in rows]), lse[tokens], scores, scale, fresh_new_slots=True,
-        block_m=16, block_n=16, **w)
+        softcap=softcap, block_m=16, block_n=16, **w)
     return out
 
 
@@ -109,6 +109,35 @@ def test_fused_attention_is_vllm_attention_plus_unfused_scores(head_size, group,
     torch.testing.assert_close(out, want_out, **OUT_TOL[dtype])
     torch.testing.assert_close(got, want, **SCORE_TOL[dtype])
     assert not torch.equal(got, scores)
+
+
+def test_soft_capped_fused_attention_is_vllm_attention_plus_capped_scores():
+    """Gemma 2's soft-cap in the fused kernel: the output is vLLM's soft-capped attention, the
+    scores the capped softmax (decode rows from the kernel's kept logits, prefill rows from its
+    LSE); a cap of 1.5 bites on these logits."""
+    head_size, group, block_size, dtype, cap = 64, 3, 16, torch.float32, 1.5
+    q_lens, kv_lens, key_cache, value_cache, scores, block_table, query, qsl = batch(
+        head_size, group, block_size, dtype)
+    scale = head_size ** -0.5
+    want_out = torch.empty_like(query)
+    vllm_unified_attention()(
+        q=query, k=torch.nan_to_num(key_cache), v=value_cache, out=want_out, cu_seqlens_q=qsl,
+        max_seqlen_q=max(q_lens), seqused_k=int32(kv_lens), max_seqlen_k=max(kv_lens),
+        softmax_scale=scale, causal=True, window_size=(-1, -1), block_table=block_table,
+        softcap=cap, q_descale=None, k_descale=None, v_descale=None)
+    want = scores.clone()
+    for row, (q_len, kv_len) in enumerate(ROWS):
+        pos = torch.arange(kv_len - q_len, kv_len)
+        want[block_table[row, pos // block_size].long(), :, pos % block_size] = 0.0
+    uncapped = want.clone()
+    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want, scale, softcap=cap)
+    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), uncapped, scale)
+    assert not torch.allclose(want, uncapped, **SCORE_TOL[dtype])
+    got = scores.clone()
+    out = fused_scores(query, key_cache, value_cache, block_table, qsl, q_lens, kv_lens, got,
+                       scale, {}, softcap=cap)
+    torch.testing.assert_close(out, want_out, **OUT_TOL[dtype])
+    torch.testing.assert_close(got, want, **SCORE_TOL[dtype])
 
 
 def test_scoring_leaves_the_output_bit_for_bit_and_plain_attention_returns_no_lse():

@@ -75,6 +75,32 @@ def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, d
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_soft_capped_scores_match_torch(decode):
+    """Gemma 2's soft-cap: the kernels' scores are the capped softmax (a cap of 1.5 bites on
+    these logits: the uncapped scores differ)."""
+    head_size, group, block_size, dtype, cap = 64, 3, 16, torch.float32, 1.5
+    q_lens, kv_lens = ([1] * 3, [5, 100, 37]) if decode else zip(*PREFILL_ROWS)
+    key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
+    query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
+    scale = head_size ** -0.5
+    if decode:
+        args = (query, key_cache, block_table, int32(kv_lens))
+        kernel, twin = decode_scores.accumulate_decode_scores, twins.accumulate_decode_scores
+    else:
+        args = (query, key_cache, block_table, int32([0] + torch.tensor(q_lens).cumsum(0).tolist()),
+                int32(kv_lens))
+        kernel, twin = prefill_scores.accumulate_prefill_scores, twins.accumulate_prefill_scores
+        torch.testing.assert_close(prefill_scores.prefill_lse(*args, scale, softcap=cap, block_m=16, block_n=16),
+                                   twins.prefill_lse(*args, scale, softcap=cap), rtol=1e-5, atol=1e-4)
+    expected, uncapped = scores.clone(), scores.clone()
+    twin(*args, expected, scale, softcap=cap)
+    twin(*args, uncapped, scale)
+    assert not torch.allclose(expected, uncapped, **TOL[dtype])
+    kernel(*args, scores, scale, softcap=cap, block_n=16)
+    torch.testing.assert_close(scores, expected, **TOL[dtype])
+
+
 def test_prefill_scores_start_at_each_rows_first_scored_query():
     """first_scored (an observation window's start): the queries before it are left out of
     pass 2, even where their weights are not 0, and a row with none left keeps its old scores
