@@ -79,18 +79,36 @@ def check_model(model_config: Any) -> None:
                "changes, and H2O's scores leave the bias out")
     hf = model_config.hf_text_config
     layer_types = getattr(hf, "layer_types", None) or ()
-    odd_layers = sorted({t for t in layer_types if t not in ("attention", "full_attention")})
+    odd_layers = sorted({t for t in layer_types if t not in FULL_LAYERS + SLIDING_LAYERS})
     if odd_layers:
-        refuse(f"layer_types {odd_layers}", "H2O only evicts from full-attention layers, and "
-               "sliding-window or other layers of another kind are not supported")
-    window = model_config.get_sliding_window()
-    if window:
-        refuse(f"sliding-window attention (sliding_window={window})",
-               "the window is counted in KV slots, which compaction renumbers",
-               "Pass --disable-sliding-window (vLLM then caps max_model_len at the window)")
+        refuse(f"layer_types {odd_layers}", "H2O evicts from full-attention layers and leaves "
+               "sliding-window layers to vLLM's window; layers of another kind are not supported")
     if getattr(hf, "model_type", None) == "gpt_oss" or any(
             "GptOss" in a for a in getattr(model_config, "architectures", None) or ()):
         refuse("attention sinks (gpt-oss)", "the learned sink logits are left out of H2O's scores")
+
+
+#: HF ``layer_types`` names of the layers H2O evicts from, and of those it leaves to vLLM's window.
+FULL_LAYERS = ("attention", "full_attention")
+SLIDING_LAYERS = ("sliding_attention",)
+
+
+def has_full_attention(model_config: Any) -> bool:
+    """Whether the model has a full-attention layer for H2O to evict from: a hybrid model
+    (Gemma 2/3: sliding-window and full-attention layers) has; a model whose every layer slides
+    (``sliding_window`` without ``layer_types``, e.g. Mistral 7B v0.1) has not."""
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None)
+    if layer_types:
+        return any(t in FULL_LAYERS for t in layer_types)
+    return not model_config.get_sliding_window()
+
+
+def nothing_to_evict_warning(model_config: Any) -> str:
+    window = model_config.get_sliding_window()
+    return (f"{getattr(model_config, 'model', 'this model')}: every attention layer uses a sliding "
+            f"window (sliding_window={window}), which vLLM already bounds: H2O has nothing to evict "
+            "and stays off. Pass --disable-sliding-window to run full attention with H2O instead "
+            "(vLLM then caps max_model_len at the window).")
 
 
 def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> None:

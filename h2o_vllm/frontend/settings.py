@@ -7,10 +7,13 @@ Runs in the process that builds the engine config (process 0). ``settle_engine_a
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from h2o_vllm.config import H2OConfig, config_from_additional
 from h2o_vllm.frontend import conflicts, cuda_config
+
+logger = logging.getLogger("vllm.h2o_vllm")  # vLLM's handler prints its "vllm." loggers
 
 
 def settle_engine_args(args: Any) -> H2OConfig | None:
@@ -28,6 +31,12 @@ def settle_engine_args(args: Any) -> H2OConfig | None:
 def check_engine_config(vllm_config: Any, h2o: H2OConfig | None) -> None:
     """What only the built config shows: the model's attention, max_model_len, CUDA graphs."""
     if h2o is None:
+        return
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None and not conflicts.has_full_attention(model):
+        # Off in every process: the workers and the engine core read it from the config.
+        logger.warning("%s", conflicts.nothing_to_evict_warning(model))
+        vllm_config.additional_config.pop("h2o", None)
         return
     conflicts.check_vllm_config(vllm_config, h2o)
     cuda_config.check_vllm_config(vllm_config)

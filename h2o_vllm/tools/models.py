@@ -157,6 +157,9 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 20.0,
                                                      "final_logit_softcapping": 30.0,
                                                      "tie_word_embeddings": True}),  # vLLM ties them
+    # Hybrid: sliding-window layers (vLLM keeps their window) and full-attention ones (H2O's),
+    # alternating, the last one full; a 24-token window that the tests' prompts outgrow.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 24, "tie_word_embeddings": True}),
     # The paper's other two families: learned absolute positions, no GQA; partial rotary and a
     # parallel residual.
     "opt": ("OPTConfig", "OPTForCausalLM", {}),
@@ -166,7 +169,7 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
 #: Families that multiply embeddings by sqrt(hidden_size) and tie the output head (Gemma): at
 #: the common init each token's own embedding outweighs everything attention adds, so every
 #: greedy step repeats the input token whatever is evicted. Their embeddings are shrunk by this.
-_EMBED_SHRINK = {"gemma2": 0.1}
+_EMBED_SHRINK = {"gemma2": 0.1, "gemma3": 0.1}
 
 def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, intermediate_size: int, vocab_size: int, init_std: float,
@@ -186,6 +189,9 @@ def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads:
     if family == "gemma2":
         kwargs.update(query_pre_attn_scalar=head_dim, layer_types=["full_attention"] * num_layers,
                       sliding_window=None)
+    if family == "gemma3":
+        kwargs.update(query_pre_attn_scalar=head_dim, layer_types=[
+            "full_attention" if (num_layers - 1 - i) % 2 == 0 else "sliding_attention" for i in range(num_layers)])
     return kwargs
 
 

@@ -16,6 +16,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 
 from h2o_vllm.config import h2o_config
+from h2o_vllm.scheduler.spec import H2OAttentionSpec
 from h2o_vllm.worker import plan as step_plan
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
@@ -42,15 +43,15 @@ def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
                         h2o=step, **device_fields)
 
 
-def check_fusable(impl, sliding_window: bool, quantised_cache: bool) -> None:
-    """H2O's attention computes plain causal softmax attention over an unquantised cache; a
-    layer (``impl``, vLLM's attention impl) with anything else would get wrong outputs or
-    scores. The devices differ only in how they store the window and the cache dtype. The
-    engine-args checks (h2o_vllm.frontend.conflicts, cuda_config) refuse these before the model
-    loads; this is the backstop for a layer that slips through."""
+def check_fusable(impl, quantised_cache: bool) -> None:
+    """H2O's attention computes causal softmax attention (soft-capped where the model caps)
+    over an unquantised cache; a layer (``impl``, vLLM's attention impl) with anything else
+    would get wrong outputs or scores. The devices differ only in how they store the cache
+    dtype. The engine-args checks (h2o_vllm.frontend.conflicts, cuda_config) refuse these before
+    the model loads; this is the backstop for a layer that slips through. (Sliding-window
+    layers never get here: ``H2OImplMixin`` leaves them to vLLM.)"""
     unsupported = {
         "ALiBi": impl.alibi_slopes is not None,
-        f"sliding window {impl.sliding_window}": sliding_window,
         "attention sinks": impl.sinks is not None,
         f"quantised KV cache {impl.kv_cache_dtype}": quantised_cache,
         f"attention type {impl.attn_type}": impl.attn_type != AttentionType.DECODER,
@@ -69,7 +70,8 @@ class H2OBuilderMixin:
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.h2o = h2o_config(vllm_config)
+        # A hybrid model's sliding-window groups keep vLLM's own metadata (and window).
+        self.h2o = h2o_config(vllm_config) if isinstance(kv_cache_spec, H2OAttentionSpec) else None
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
@@ -95,7 +97,8 @@ class H2OImplMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.h2o = h2o_config(get_current_vllm_config())
+        # A sliding-window layer (hybrid models) is vLLM's: its window already bounds its cache.
+        self.h2o = None if self.has_sliding_window() else h2o_config(get_current_vllm_config())
         # scores: [num_blocks, num_kv_heads, block_size] fp32, KV-space; allocated on first use
         # because the cache size is only known once vLLM has profiled memory.
         self.scores: torch.Tensor | None = None
@@ -134,6 +137,10 @@ class H2OImplMixin:
         if mass is not None:
             self._mass.push(mass)
         return output
+
+    def has_sliding_window(self) -> bool:
+        """Whether vLLM gave this layer a sliding window (each device stores it its own way)."""
+        raise NotImplementedError
 
     #: Whether ``_fused_attention`` replaces vLLM's attention and the score pass (CUDA: one
     #: kernel; CPU: vLLM's kernel for the decode rows only, H2O's for the rest); else vLLM's

@@ -115,8 +115,8 @@ def model_runner_of(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
-def worker_block_ids(runner, request_id: str) -> list[int]:
-    """A request's blocks in the worker (first KV-cache group). V1: its request state, whose
+def worker_block_ids(runner, request_id: str, group: int = 0) -> list[int]:
+    """A request's blocks in the worker (KV-cache group ``group``). V1: its request state, whose
     block-table row has as many; V2: its slot's block-table row, or the fresh blocks it
     becomes at the next step (``vllm_hooks.runner_v2._rewrite_rows``)."""
     if hasattr(runner, "req_states"):  # Model Runner V2
@@ -125,13 +125,13 @@ def worker_block_ids(runner, request_id: str) -> list[int]:
             return list(pending[1])
         slot = runner.req_states.req_id_to_index[request_id]
         tables = runner.block_tables
-        return tables.block_tables[0].gpu[slot, :int(tables.num_blocks.np[0, slot])].tolist()
-    held = list(runner.requests[request_id].block_ids[0])
+        return tables.block_tables[group].gpu[slot, :int(tables.num_blocks.np[group, slot])].tolist()
+    held = list(runner.requests[request_id].block_ids[group])
     # A running request the last step did not schedule (the token budget ran out) has left
     # V1's input batch; its state keeps the blocks.
     row = runner.input_batch.req_id_to_index.get(request_id)
     if row is not None:
-        assert runner.input_batch.block_table[0].num_blocks_per_row[row] == len(held)
+        assert runner.input_batch.block_table[group].num_blocks_per_row[row] == len(held)
     return held
 
 
@@ -142,13 +142,16 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
     nothing). The schedule hook has already cut each list to what its last scheduled step's
     compaction leaves (``cut_scheduled``). Under async scheduling that step is still in flight
     for the scheduler (its tokens counted, its output not processed), but the in-process
-    worker has run it: the lists still agree."""
+    worker has run it: the lists still agree. A hybrid model's H2O group is checked (its
+    sliding-window groups are vLLM's)."""
     from vllm.utils.math_utils import cdiv
 
     from h2o_vllm.config import H2OConfig
     from h2o_vllm.policy import kv_len_after
     scheduler, runner = scheduler_of(llm), model_runner_of(llm)
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    from h2o_vllm.scheduler.manager import H2OManager
+    (group, manager), = [(i, m) for i, m in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers)
+                         if isinstance(m, H2OManager)]
     evicted = []
     for request in scheduler.running:
         rid = request.request_id
@@ -158,6 +161,6 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
         kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
         held = [b.block_id for b in manager.req_to_blocks[rid]]
         assert len(held) == cdiv(kv_len, block_size)
-        assert held == worker_block_ids(runner, rid)
+        assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted

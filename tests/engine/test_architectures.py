@@ -31,6 +31,9 @@ PROMPTS = random_prompts((1, 17, 40, 100))
 # Chunked prefill mixed with decodes; a pool of 20 blocks that the 8 requests contend for.
 ENGINE = dict(in_process=True, block_size=BLOCK, max_model_len=256, max_num_batched_tokens=32,
               max_num_seqs=8, num_gpu_blocks_override=20, additional_config={"h2o": {}})
+# A hybrid model's sliding-window group takes its own blocks from the same pool: a pool as
+# tight as the others' serialises the requests and evicts every prefix before it is reused.
+POOL = {"gemma3": 40}
 CUDA_SWITCH = {SWITCH: "1", V2_ENV: "0"}
 
 
@@ -54,27 +57,30 @@ def serve_families(family_dirs: dict) -> dict:
     results = {}
     for family, model_dir in family_dirs.items():
         try:
-            results[family] = serve(model_dir, "H2OTritonImpl")
+            results[family] = serve(model_dir, "H2OTritonImpl", family)
         except Exception:
             results[family] = traceback.format_exc()
     return results
 
 
-def serve(model_dir, impl: str) -> list[list[int]]:
+def serve(model_dir, impl: str, family: str) -> list[list[int]]:
     """Every case's outputs for PROMPTS (case-major), the engine driven step by step with the
     block lists checked after each."""
     prompts = PROMPTS * len(CASES)
     params = [greedy(MAX_TOKENS, extra_args=extra_args(budget)) for budget in CASES.values() for _ in PROMPTS]
-    with vllm_engine(model_dir, **ENGINE) as llm:
+    pool = POOL.get(family, ENGINE["num_gpu_blocks_override"])
+    with vllm_engine(model_dir, **{**ENGINE, "num_gpu_blocks_override": pool}) as llm:
         layers = llm.llm_engine.model_executor.driver_worker.worker.model_runner \
             .compilation_config.static_forward_context.values()
         assert {type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")} == {impl}
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
-        evicted = []
-        by_id = run_steps(llm, prompts, params,
+        evicted, cached = [], {}
+        by_id = run_steps(llm, prompts, params, cached=cached,
                           on_step=lambda: evicted.extend(check_block_lists(llm, {}, BLOCK)))
         assert max(evicted) > 0, "no request ever evicted: the block check proved nothing"
+        # Prefix caching is on (vLLM's default) and each prompt repeats per case.
+        assert max(cached.values()) >= BLOCK, "no request hit the prefix cache"
         assert pool.get_num_free_blocks() == free_before, "blocks leaked"
     return [by_id[str(i)] for i in range(len(prompts))]
 
@@ -104,7 +110,7 @@ def check(family: str, outputs: list[list[int]], want_by_case: dict) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cpu_path_equals_oracle(family, family_dirs, expectations):
-    check(family, serve(family_dirs[family], "H2OCPUImpl"), expectations[family])
+    check(family, serve(family_dirs[family], "H2OCPUImpl", family), expectations[family])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

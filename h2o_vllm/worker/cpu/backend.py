@@ -72,9 +72,11 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.h2o is not None:
-            check_fusable(self, sliding_window=self.sliding_window not in (-1, None),
-                          quantised_cache=self.is_fp8_kv_cache)
+            check_fusable(self, quantised_cache=self.is_fp8_kv_cache)
             self.fuses_scores = True
+
+    def has_sliding_window(self) -> bool:
+        return self.sliding_window not in (-1, None)
 
     def _fused_attention(self, layer, step, query, kv_cache, views, scores, attn_metadata,
                          output, output_scale, output_block_scale) -> None:

@@ -79,8 +79,10 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
             self.fuses_scores = True
 
     def _check_fusable(self) -> None:
-        check_fusable(self, sliding_window=tuple(self.sliding_window) != (-1, -1),
-                      quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype))
+        check_fusable(self, quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype))
+
+    def has_sliding_window(self) -> bool:
+        return tuple(self.sliding_window) != (-1, -1)
 
     def _fused_attention(self, layer, step, query, kv_cache, views, scores, attn_metadata,
                          output, output_scale, output_block_scale) -> None:

@@ -111,8 +111,7 @@ def test_settings_vllm_derived_are_refused_too(overrides, setting):
     (_model(is_hybrid=True), "hybrid"),
     (_model(use_mla=True), "MLA"),
     (_model(uses_alibi=True), "ALiBi"),
-    (_model(sliding_window=4096), "sliding_window=4096"),
-    (_model(hf={"layer_types": ["full_attention", "sliding_attention"]}), "sliding_attention"),
+    (_model(hf={"layer_types": ["full_attention", "chunked_attention"]}), "chunked_attention"),
     (_model(hf={"model_type": "gpt_oss"}), "attention sinks"),
     (_model(architectures=["GptOssForCausalLM"]), "attention sinks"),
 ])
@@ -122,8 +121,26 @@ def test_models_h2o_cannot_handle_are_refused(model, words):
     assert "turn H2O KV eviction off" in message
 
 
-def test_sliding_window_names_the_way_out():
-    assert "--disable-sliding-window" in _refusal(conflicts.check_model, _model(sliding_window=512))
+def test_hybrid_sliding_window_models_pass_and_all_sliding_ones_have_nothing_to_evict():
+    """H2O evicts from a hybrid model's full-attention layers (vLLM keeps the window of the
+    others); a model whose every layer slides leaves it nothing: H2O stays off with a warning
+    naming --disable-sliding-window (settings.check_engine_config)."""
+    hybrid = _model(sliding_window=512, hf={"layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+    conflicts.check_model(hybrid)
+    assert conflicts.has_full_attention(hybrid) and conflicts.has_full_attention(_model())
+    for sliding in (_model(sliding_window=512),
+                    _model(sliding_window=512, hf={"layer_types": ["sliding_attention"] * 4})):
+        assert not conflicts.has_full_attention(sliding)
+        assert "--disable-sliding-window" in conflicts.nothing_to_evict_warning(sliding)
+
+
+def test_an_all_sliding_model_turns_h2o_off_with_a_warning(caplog):
+    from h2o_vllm.frontend import settings
+    config = _vllm_config(_model(sliding_window=512))
+    config.additional_config = {"h2o": {}}
+    with caplog.at_level("WARNING", logger="vllm.h2o_vllm"):
+        settings.check_engine_config(config, H2O)
+    assert config.additional_config == {} and "nothing to evict" in caplog.text
 
 
 def test_full_attention_layer_types_pass():
@@ -137,7 +154,7 @@ def test_soft_capped_logits_pass():
 
 def test_real_model_config_of_a_sliding_window_model(tiny_llama_dir, tmp_path):
     """The real ModelConfig reads the window from the HF config; --disable-sliding-window
-    (the way out the message names) clears it."""
+    (the way out the warning names) clears it."""
     import json
     import shutil
 
@@ -147,9 +164,9 @@ def test_real_model_config_of_a_sliding_window_model(tiny_llama_dir, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
     (model_dir / "config.json").write_text(json.dumps(config))
-    assert "sliding_window=64" in _refusal(conflicts.check_model, ModelConfig(str(model_dir)))
-    conflicts.check_model(ModelConfig(str(model_dir), disable_sliding_window=True))
-    conflicts.check_model(ModelConfig(str(tiny_llama_dir)))
+    assert not conflicts.has_full_attention(ModelConfig(str(model_dir)))
+    assert conflicts.has_full_attention(ModelConfig(str(model_dir), disable_sliding_window=True))
+    assert conflicts.has_full_attention(ModelConfig(str(tiny_llama_dir)))
 
 
 # --------------------------------------------------------------------------- budget vs max_model_len

@@ -57,10 +57,12 @@ def test_impl_refuses_what_the_fused_attention_does_not_compute():
     H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": "bfloat16",
                                                     "logits_soft_cap": None}))
     H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "logits_soft_cap": 30.0}))  # in the scores
-    for change, words in ((dict(sliding_window=(127, 0)), "sliding window"),
-                          (dict(alibi_slopes=torch.ones(4)), "ALiBi"),
+    for change, words in ((dict(alibi_slopes=torch.ones(4)), "ALiBi"),
                           (dict(sinks=torch.zeros(4)), "sinks"),
                           (dict(kv_cache_dtype="fp8"), "quantised KV cache"),
                           (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type")):
         with pytest.raises(NotImplementedError, match=words):
             H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, **change}))
+    # A hybrid model's sliding-window layers are left to vLLM (no H2O there), not refused.
+    assert H2OTritonImpl.has_sliding_window(SimpleNamespace(sliding_window=(127, 0)))
+    assert not H2OTritonImpl.has_sliding_window(SimpleNamespace(sliding_window=(-1, -1)))
