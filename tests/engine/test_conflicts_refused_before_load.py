@@ -39,14 +39,28 @@ def test_conflicting_settings_refused_before_loading(tiny_llama_dir, kwargs, wor
     assert words in message and "H2O" in message
 
 
-def test_sliding_window_model_refused_before_loading(tiny_llama_dir, tmp_path):
+def test_all_sliding_window_model_runs_without_h2o_and_says_so(tiny_llama_dir, tmp_path, monkeypatch):
+    """Every layer slides (Mistral's window): H2O has nothing to evict, so the engine config
+    comes out with H2O off for every process, and a warning names the way to have it on (the
+    config alone, no engine). Hybrid models are served with H2O: test_architectures.py."""
+    from vllm.engine.arg_utils import EngineArgs
     model_dir = tmp_path / "mistral-swa"
     shutil.copytree(tiny_llama_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
     (model_dir / "config.json").write_text(json.dumps(config))
-    message = _refused(model_dir, additional_config=H2O)
-    assert "sliding_window=64" in message and "--disable-sliding-window" in message
+    from h2o_vllm.frontend import settings
+    warnings = []
+    monkeypatch.setattr(settings.logger, "warning", lambda fmt, *args: warnings.append(fmt % args))
+    built = EngineArgs(model=str(model_dir), max_model_len=1024,
+                       additional_config={"h2o": {}}).create_engine_config()
+    assert "h2o" not in built.additional_config
+    assert len(warnings) == 1 and "nothing to evict" in warnings[0] and "--disable-sliding-window" in warnings[0]
+    # vLLM then caps max_model_len at the window.
+    small = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}  # fits 64 tokens
+    with_window_off = EngineArgs(model=str(model_dir), max_model_len=64, disable_sliding_window=True,
+                                 additional_config={"h2o": small}).create_engine_config()
+    assert with_window_off.additional_config["h2o"] == small
 
 
 def test_prefix_caching_stays_on_by_default_and_when_asked(tiny_llama_dir, caplog):
