@@ -187,8 +187,10 @@ def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads:
     kwargs = {**common, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
               "intermediate_size": intermediate_size, "initializer_range": init_std}
     if family == "gemma2":
+        # Every layer global; transformers' Gemma 2 still builds a sliding mask, so the window is
+        # set, as long as the model.
         kwargs.update(query_pre_attn_scalar=head_dim, layer_types=["full_attention"] * num_layers,
-                      sliding_window=None)
+                      sliding_window=max_position_embeddings)
     if family == "gemma3":
         kwargs.update(query_pre_attn_scalar=head_dim, layer_types=[
             "full_attention" if (num_layers - 1 - i) % 2 == 0 else "sliding_attention" for i in range(num_layers)])

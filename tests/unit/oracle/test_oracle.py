@@ -166,3 +166,53 @@ def test_reference_default_interval_is_one_block(model, prompts):
         for kv_head in range(NUM_KV_HEADS):
             positions, _ = naive.kept(layer, kv_head)
             assert default.last_states[2].layers[layer].positions[kv_head].tolist() == positions
+
+
+@torch.no_grad()
+def recomputed_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding by a full forward per token (no KV cache: Gemma 2's cache classes want a
+    sliding window, which the all-global tiny model has not)."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("family", sorted(__import__("h2o_vllm.tools.models", fromlist=["x"]).TINY_FAMILIES))
+def test_without_eviction_every_family_is_transformers_generate(family, tmp_path):
+    """The oracle's forward is each family's own (transformers' attention registry): with no
+    eviction it is transformers' eager greedy decoding, Gemma 2's soft-capped logits and Gemma
+    3's sliding-window layers included (prompts up to 40 tokens outgrow its 24-token window)."""
+    from transformers import AutoModelForCausalLM
+
+    from h2o_vllm.tools import models
+    model_dir = models.build_tiny_model(tmp_path, family, num_layers=2)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    generator = torch.Generator().manual_seed(2)
+    family_prompts = [torch.randint(5, 500, (n,), generator=generator).tolist() for n in (1, 23, 40)]
+    got = H2OOracle(hf, None, query_chunk=CHUNK).generate(family_prompts, 8)
+    assert got == [recomputed_greedy(hf, p, 8) for p in family_prompts]
+    assert hf.config._attn_implementation == "eager"  # restored after every step
+
+
+def test_sinks_take_their_share_of_each_softmax_and_nobody_scores_it():
+    """gpt-oss's learned sink logits: in each softmax's denominator, without a slot of their own."""
+    from h2o_vllm.oracle.attention import attend_and_score
+    from h2o_vllm.oracle.cache import LayerCache
+    generator = torch.Generator().manual_seed(3)
+    num_kv, group, n, head = 2, 2, 5, 8
+    keys, values = (torch.randn(num_kv, n, head, generator=generator) for _ in range(2))
+    queries = torch.randn(num_kv * group, n, head, generator=generator)
+    sinks = torch.randn(num_kv * group, generator=generator)
+    cache = LayerCache(num_kv, head)
+    cache.append(keys, values, torch.arange(n))
+    out = attend_and_score(queries, cache, 0.5, sinks=sinks)
+    logits = torch.einsum("kgqd,knd->kgqn", queries.view(num_kv, group, n, head), keys) * 0.5
+    logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    sink = sinks.view(num_kv, group, 1, 1).expand(-1, -1, n, 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    assert (probs.sum(dim=-1) < 1).all()
+    want = torch.einsum("kgqn,knd->kgqd", probs, values).reshape(num_kv * group, n, head)
+    torch.testing.assert_close(out, want.transpose(0, 1).reshape(n, -1))
+    torch.testing.assert_close(cache.scores, probs.sum(dim=(1, 2)))
