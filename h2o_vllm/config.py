@@ -213,7 +213,9 @@ class Budget:
 
 #: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)
 #: under these names; the value is an ``H2OConfig`` key.
-REQUEST_KEYS = {f"h2o_{f.name}": f.name for f in fields(H2OConfig)}
+#: The prefix of H2O's per-request keys: every key with it is H2O's (an unknown one is refused).
+REQUEST_PREFIX = "h2o_"
+REQUEST_KEYS = {f"{REQUEST_PREFIX}{f.name}": f.name for f in fields(H2OConfig)}
 
 
 _parsed: dict[str, H2OConfig] = {}

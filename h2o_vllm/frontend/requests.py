@@ -5,7 +5,8 @@ override is a ``ValueError`` that the server answers with HTTP 400 and ``LLM.gen
 """
 from __future__ import annotations
 
-from h2o_vllm.config import REQUEST_KEYS, config_from_additional, request_config, request_overrides
+from h2o_vllm.config import (REQUEST_KEYS, REQUEST_PREFIX, config_from_additional, request_config,
+                             request_overrides)
 from h2o_vllm.policy import request_peak_blocks
 
 def _request_error(message: str, value) -> ValueError:
@@ -21,7 +22,16 @@ def _request_error(message: str, value) -> ValueError:
 
 
 def check_request_overrides(additional_config, extra_args) -> None:
-    """Raise ``ValueError`` naming the bad ``extra_args`` key (OpenAI: ``vllm_xargs``)."""
+    """Raise ``ValueError`` naming the bad ``extra_args`` key (OpenAI: ``vllm_xargs``). The
+    ``h2o_`` prefix is H2O's: an unknown key with it (a typo such as ``h2o_heavy_tokns``) is
+    refused rather than dropped, which would run the engine's budget unannounced; other
+    plugins' keys are left alone."""
+    unknown = sorted(k for k in extra_args or () if isinstance(k, str) and k.startswith(REQUEST_PREFIX)
+                     and k not in REQUEST_KEYS)
+    if unknown:
+        raise _request_error(f"unknown H2O key {', '.join(unknown)} in extra_args / vllm_xargs (the "
+                             f"{REQUEST_PREFIX} prefix is H2O's); valid keys: {', '.join(sorted(REQUEST_KEYS))}",
+                             {k: extra_args[k] for k in unknown})
     overrides = request_overrides(extra_args)
     if not overrides:
         return

@@ -137,6 +137,7 @@ def test_request_budget_sets_evicted_counts_and_metrics(server, xargs):
     ({"h2o_heavy_ratio": 1.5}, "h2o_heavy_ratio"),
     ({"h2o_interval": 0}, "h2o_interval"),
     ({"h2o_recent_tokens": 8, "h2o_recent_ratio": 0.1}, "recent"),
+    ({"h2o_heavy_tokns": 32}, "unknown H2O key h2o_heavy_tokns"),  # a typo is not dropped
 ])
 def test_bad_request_budget_is_400_and_server_keeps_serving(server, xargs, match):
     with pytest.raises(openai.BadRequestError, match=match):

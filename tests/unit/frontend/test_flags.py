@@ -106,6 +106,16 @@ def test_request_overrides_bad_values_raise_value_error(extra_args, match):
         check_request_overrides({"h2o": {}}, extra_args)
 
 
+@pytest.mark.parametrize("additional_config", [{"h2o": {}}, {}], ids=["h2o-on", "h2o-off"])
+def test_unknown_h2o_keys_are_refused_naming_the_key_and_the_valid_ones(additional_config):
+    """A typo must not run the engine's budget unannounced (issue 28); other keys pass."""
+    from h2o_vllm.frontend.requests import check_request_overrides
+    with pytest.raises(ValueError, match="unknown H2O key h2o_heavy_tokns") as info:
+        check_request_overrides(additional_config, {"h2o_heavy_tokns": 32, "h2o_recent_tokens": 8})
+    assert "h2o_heavy_tokens" in str(info.value) and "h2o_prefill_chunk" in str(info.value)
+    check_request_overrides(additional_config, {"other_plugin_key": 1, "H2O_heavy": 2})
+
+
 def test_request_overrides_need_h2o_on():
     from h2o_vllm.frontend.requests import check_request_overrides
     with pytest.raises(ValueError, match="off"):
