@@ -117,31 +117,33 @@ def _get_computed_blocks_wrapper(original):
         managers = _h2o_managers(self)
         if not managers or not self.enable_caching:
             return blocks, num_tokens, boundary
+        if len(managers) < len(self.coordinator.single_type_managers):
+            return _hybrid_hit(self, managers, request, blocks, num_tokens, boundary)
         group_blocks = dict(zip(self.coordinator.single_type_managers, blocks.blocks))
         cut = min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
         if cut == num_tokens:
             return blocks, num_tokens, boundary
-        if len(managers) < len(self.coordinator.single_type_managers):
-            # A hybrid model: a sliding-window group's hit holds real blocks only for the window
-            # before its end, so a shorter hit is vLLM's own search capped at the cut, not a slice.
-            blocks, num_tokens, _ = self.coordinator.find_longest_cache_hit(request.block_hashes, cut)
-            return _get_computed_blocks(self, managers, request, blocks, num_tokens)
         return (self.create_kv_cache_blocks(tuple(g[:cut // m.block_size] for g, m in
                                                   zip(blocks.blocks, self.coordinator.single_type_managers))),
                 cut, 0)
     return get_computed_blocks
 
 
-def _get_computed_blocks(kv_cache_manager, managers, request, blocks, num_tokens):
-    """A hybrid model's hit of ``num_tokens`` cut until H2O can resume from it exactly (each
-    search is capped at the last cut, so the hit only shrinks)."""
+def _hybrid_hit(kv_cache_manager, managers, request, blocks, num_tokens: int, boundary: int):
+    """A hybrid model's hit, cut until H2O can resume from it exactly. A sliding-window group's
+    hit holds real blocks only for the window before its end, so a shorter hit is not a slice:
+    it is vLLM's own search again, capped at the cut (the hit only shrinks)."""
+    coordinator = kv_cache_manager.coordinator
+    hit = blocks.blocks
     while num_tokens:
-        group_blocks = dict(zip(kv_cache_manager.coordinator.single_type_managers, blocks))
+        group_blocks = dict(zip(coordinator.single_type_managers, hit))
         cut = min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
         if cut == num_tokens:
             break
-        blocks, num_tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(request.block_hashes, cut)
-    return kv_cache_manager.create_kv_cache_blocks(tuple(blocks)), num_tokens, 0
+        hit, num_tokens, _ = coordinator.find_longest_cache_hit(request.block_hashes, cut)
+    if hit is blocks.blocks:
+        return blocks, num_tokens, boundary
+    return kv_cache_manager.create_kv_cache_blocks(tuple(hit)), num_tokens, 0
 
 
 def install_metrics_hooks() -> None:

@@ -131,6 +131,8 @@ OVERRIDDEN = {
     f"{_STM}:SingleTypeKVCacheManager._apply_cow":
         ["self", "request_id", "block_idx", "source_block", "cow_block"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.create_kv_cache_blocks": ["self", "blocks"],
+    "vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator.find_longest_cache_hit":
+        ["self", "block_hashes", "max_cache_hit_length"],
     "vllm.v1.core.block_pool:BlockPool.get_new_blocks": ["self", "num_blocks"],
     "vllm.v1.core.block_pool:BlockPool.free_blocks": ["self", "ordered_blocks"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.remove_skipped_blocks":
