@@ -81,8 +81,9 @@ class ScoreRecords:
         while len(self._free) < num_blocks:
             # A prompt's own boundary is recorded for a repeat that may never come; a shared
             # prefix that served hits is likely to serve more.
-            victim = next((k for k, r in self._index.items() if r.ready and not r.hits),
-                          None) or next(k for k, r in self._index.items() if r.ready)
+            victim = next((k for k, r in self._index.items() if r.ready and not r.hits), None)
+            if victim is None:  # not `or`: a key may be falsy (0 in the property test)
+                victim = next(k for k, r in self._index.items() if r.ready)
             self._release(victim)
         slots = [self._free.pop() for _ in range(num_blocks)]
         record = self._index[key] = Record(key, num_blocks, slots, writer=writer)
