@@ -35,6 +35,7 @@ ENGINE = dict(in_process=True, block_size=BLOCK, max_model_len=256, max_num_batc
 # tight as the others' serialises the requests and evicts every prefix before it is reused.
 POOL = {"gemma3": 40}
 CUDA_SWITCH = {SWITCH: "1", V2_ENV: "0"}
+IMPLS = {"cpu": "H2OCPUImpl", "cuda": "H2OTritonImpl"}
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +45,30 @@ def family_dirs(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cuda_path_futures(family_dirs):
-    """The CUDA path's engines, started with the module in two fresh processes (the switch
-    must be set before vLLM is imported there), each serving half the families one after
-    another. The interpreter runs on one core: the two share the machine's two cores with
-    this process's CPU-path engines, which finish first."""
+def engine_futures(family_dirs) -> dict:
+    """Every engine of the module, started with it in fresh processes: {("cpu" | "cuda",
+    family): future}. The CPU path's in one process; the CUDA path's (the switch must be set
+    before vLLM is imported) in two, each serving half the families one after another, since
+    the interpreter runs on one core. Fresh processes also keep this one's transformers
+    classes pristine: vLLM serves GPT-NeoX through its Transformers backend, which rebases
+    transformers' own model class for torch.compile (the class then builds only inside a vLLM
+    config, and the oracle, here or in later test modules, could not build it)."""
     families = list(family_dirs)
-    return [start_in_fresh_process(serve_families, {f: family_dirs[f] for f in half}, env=CUDA_SWITCH)
-            for half in (families[0::2], families[1::2])]
+    jobs = [("cpu", families, {})] + [("cuda", half, CUDA_SWITCH) for half in (families[0::2], families[1::2])]
+    futures = {}
+    for path, names, env in jobs:
+        future = start_in_fresh_process(serve_families, {f: family_dirs[f] for f in names}, IMPLS[path], env=env)
+        futures.update({(path, f): future for f in names})
+    return futures
 
 
-def serve_families(family_dirs: dict) -> dict:
+def serve_families(family_dirs: dict, impl: str) -> dict:
     """{family: outputs, or the traceback its engine failed with}."""
     import traceback
     results = {}
     for family, model_dir in family_dirs.items():
         try:
-            results[family] = serve(model_dir, "H2OTritonImpl", family)
+            results[family] = serve(model_dir, impl, family)
         except Exception:
             results[family] = traceback.format_exc()
     return results
@@ -90,9 +98,7 @@ def serve(model_dir, impl: str, family: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expectations(family_dirs) -> dict:
-    """The oracle's outputs of every family, before any engine of this process runs: vLLM
-    serves GPT-NeoX through its Transformers backend, which rebases transformers' own model
-    class for torch.compile, and the class then builds only inside a vLLM config."""
+    """The oracle's outputs of every family (computed while the engines run elsewhere)."""
     return {family: expected(model_dir) for family, model_dir in family_dirs.items()}
 
 
@@ -111,14 +117,10 @@ def check(family: str, outputs: list[list[int]], want_by_case: dict) -> None:
         assert outputs[i * n:(i + 1) * n] == want, f"{family}, {name}: the engine and the oracle differ"
 
 
+@pytest.mark.parametrize("path", ["cpu", "cuda"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cpu_path_equals_oracle(family, family_dirs, expectations):
-    check(family, serve(family_dirs[family], "H2OCPUImpl", family), expectations[family])
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_path_equals_oracle(family, expectations, cuda_path_futures):
-    result = cuda_path_futures[FAMILIES.index(family) % 2].result()[family]
+def test_family_equals_oracle(family, path, expectations, engine_futures):
+    result = engine_futures[path, family].result()[family]
     if isinstance(result, str):
-        pytest.fail(f"{family} (CUDA path, shared process):\n{result}", pytrace=False)
+        pytest.fail(f"{family} ({path} path, shared process):\n{result}", pytrace=False)
     check(family, result, expectations[family])
