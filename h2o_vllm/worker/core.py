@@ -14,9 +14,9 @@ import logging
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from h2o_vllm.config import h2o_config
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
 from h2o_vllm.worker import plan as step_plan
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
@@ -70,8 +70,9 @@ class H2OBuilderMixin:
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # A hybrid model's sliding-window groups keep vLLM's own metadata (and window).
-        self.h2o = h2o_config(vllm_config) if isinstance(kv_cache_spec, H2OAttentionSpec) else None
+        # A hybrid model's sliding-window groups keep vLLM's own metadata (and window). Every
+        # other group is H2O's, as the scheduler side sees it (h2o_specs).
+        self.h2o = None if isinstance(kv_cache_spec, SlidingWindowSpec) else h2o_config(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
