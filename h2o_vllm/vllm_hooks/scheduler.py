@@ -119,14 +119,20 @@ def _get_computed_blocks_wrapper(original):
             return blocks, num_tokens, boundary
         if len(managers) < len(self.coordinator.single_type_managers):
             return _hybrid_hit(self, managers, request, blocks, num_tokens, boundary)
-        group_blocks = dict(zip(self.coordinator.single_type_managers, blocks.blocks))
-        cut = min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
+        cut = _h2o_cut(self.coordinator, managers, request, blocks.blocks, num_tokens)
         if cut == num_tokens:
             return blocks, num_tokens, boundary
         return (self.create_kv_cache_blocks(tuple(g[:cut // m.block_size] for g, m in
                                                   zip(blocks.blocks, self.coordinator.single_type_managers))),
                 cut, 0)
     return get_computed_blocks
+
+
+def _h2o_cut(coordinator, managers, request, hit, num_tokens: int) -> int:
+    """The longest part of a hit of ``num_tokens`` (``hit``: each group's blocks) that every
+    H2O group can resume from exactly."""
+    group_blocks = dict(zip(coordinator.single_type_managers, hit))
+    return min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
 
 
 def _hybrid_hit(kv_cache_manager, managers, request, blocks, num_tokens: int, boundary: int):
@@ -136,8 +142,7 @@ def _hybrid_hit(kv_cache_manager, managers, request, blocks, num_tokens: int, bo
     coordinator = kv_cache_manager.coordinator
     hit = blocks.blocks
     while num_tokens:
-        group_blocks = dict(zip(coordinator.single_type_managers, hit))
-        cut = min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
+        cut = _h2o_cut(coordinator, managers, request, hit, num_tokens)
         if cut == num_tokens:
             break
         hit, num_tokens, _ = coordinator.find_longest_cache_hit(request.block_hashes, cut)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from budgets import extra_args, oracle
-from engines import (V2_ENV, check_block_lists, greedy, random_prompts, run_steps, scheduler_of,
-                     start_in_fresh_process, vllm_engine)
+from engines import (V2_ENV, check_block_lists, greedy, model_runner_of, random_prompts, run_steps,
+                     scheduler_of, start_in_fresh_process, vllm_engine)
 from h2o_vllm.tools import models
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
@@ -81,8 +81,7 @@ def serve(model_dir, impl: str, family: str) -> list[list[int]]:
     params = [greedy(MAX_TOKENS, extra_args=extra_args(budget)) for budget in CASES.values() for _ in PROMPTS]
     pool = POOL.get(family, ENGINE["num_gpu_blocks_override"])
     with vllm_engine(model_dir, **{**ENGINE, "num_gpu_blocks_override": pool}) as llm:
-        layers = llm.llm_engine.model_executor.driver_worker.worker.model_runner \
-            .compilation_config.static_forward_context.values()
+        layers = model_runner_of(llm).compilation_config.static_forward_context.values()
         assert {type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")} == {impl}
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.worker.cpu.scores import as_fp32, scale_blocks
+from h2o_vllm.worker.cpu.scores import as_fp32, scale_blocks, soft_cap_
 
 #: Queries per tile. Small tiles waste less of the diagonal tile and keep a tile's
 #: probabilities ([kv heads, tile * group, keys] fp32) in cache. In a one-off probe of a
@@ -64,8 +64,7 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
             n, end = e - s, first + e  # queries in the tile, keys they reach
             probs = torch.matmul(q[:, s:e].reshape(num_kv_heads, n * group, head_size),
                                  keys[:, :, :end])                       # [Hkv, n * G, end]
-            if softcap:
-                probs.div_(softcap).tanh_().mul_(softcap)
+            soft_cap_(probs, softcap)
             diagonal = probs.view(num_kv_heads, n, group, end)[..., end - n:]
             diagonal.masked_fill_(causal[:, :n, :, :n], float("-inf"))
             probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()

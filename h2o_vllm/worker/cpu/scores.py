@@ -23,6 +23,13 @@ def as_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def soft_cap_(logits: torch.Tensor, softcap: float) -> None:
+    """The model's logit soft-cap (Gemma 2: ``softcap * tanh(logits / softcap)``), in place,
+    before the softmax as vLLM's kernels do; 0: none."""
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)
+
+
 @dataclass(frozen=True)
 class DecodeIndex:
     """Where a step's decode rows read their keys; the same for every layer, built once."""
@@ -88,8 +95,7 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
     # Scaled before the product, as in prefill.py: one small multiply instead of one over the logits.
     q = (as_fp32(query) * scale).view(num_rows, 1, num_kv_heads, num_heads // num_kv_heads, head_size)
     logits = torch.matmul(q, k)                                     # [R, nb, Hkv, G, bs]
-    if softcap:  # the model's own logits (Gemma 2), capped before the softmax as vLLM's kernel does
-        logits.div_(softcap).tanh_().mul_(softcap)
+    soft_cap_(logits, softcap)
     logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
     logits.masked_fill_(index.padding, float("-inf"))
     probs = logits.softmax(dim=-1).sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)
