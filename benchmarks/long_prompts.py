@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     modes = p.add_subparsers(dest="mode")
     for mode in ("capacity", "throughput", "quality"):
         m = modes.add_parser(mode)
-        m.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
+        m.add_argument("--model", default=None, help="HF model directory, or smollm2 (default) | gemma3-270m")
         m.add_argument("--omp-threads", default="1", help="OMP_NUM_THREADS of the engines ('' = leave unset)")
         m.add_argument("--seed", type=int, default=0)
         m.add_argument("--out", default=None, help="default benchmarks/results/<date>-<host>/long-prompts/<mode>")
@@ -361,7 +361,7 @@ def main(argv=None) -> dict:
     if args.one:
         bench.run_job_file(args.one, capacity_one)
         return {}
-    model = args.model or str(models.smollm2_dir())
+    model = str(models.model_dir(args.model))
     out = out_dir(args)
     command = " ".join([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)])
     if args.mode == "throughput":

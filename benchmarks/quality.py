@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="HF model directory, or smollm2 (default) | gemma3-270m")
     p.add_argument("--budgets", default="0.5,0.2,0.1", help="total budgets, fractions of the prompt")
     p.add_argument("--policies", default="h2o,local,decay,sinks,window,window+sinks,pool,window+pool,"
                                           "window+pool+sinks",
@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
         return {}
     from h2o_vllm.tools import bench, models
 
-    model = args.model or str(models.smollm2_dir())
+    model = str(models.model_dir(args.model))
     host = socket.gethostname()
     out = bench.results_dir(args.out, __file__)
     env = bench.engine_env(args.omp_threads)

@@ -26,7 +26,7 @@ DEFAULT_CONFIGS = "stock,full,h2o:0.5,h2o:0.2,h2o:0.1"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="HF model directory, or smollm2 (default) | gemma3-270m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--workloads", default="synthetic,text", help="comma list of synthetic, text")
     p.add_argument("--text", default="gpl3", help="text for the text workload: gpl3, jargon, devil or a path")
@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
 
     from h2o_vllm.tools import bench, models
 
-    model = args.model or str(models.smollm2_dir())
+    model = str(models.model_dir(args.model))
     max_model_len = cdiv(args.prompt_len + args.output_len, args.block_size) * args.block_size
     num_blocks = args.num_blocks or int(args.stock_concurrency * max_model_len / args.block_size)
     host = socket.gethostname()
@@ -142,17 +142,22 @@ def main(argv=None) -> dict:
 
 
 def markdown_table(result: dict) -> str:
-    """The README table of one run, straight from its JSON (no number typed by hand)."""
+    """The README table of one run, straight from its JSON (no number typed by hand). A hybrid
+    model's table adds the blocks held by its global (H2O's) and sliding-window layers."""
     names = {"stock": "stock vLLM", "full": "full (tracking only)"}
+    hybrid = any("sliding" in r.get("held_blocks", {}) for r in result["runs"])
     lines = ["| workload | config | total tok/s | output tok/s | x stock (total) | running mean / peak "
-             "| KV blocks mean / peak | preemptions |", "|---|---|---|---|---|---|---|---|"]
+             "| KV blocks mean / peak |" + (" held global / sliding: mean (peak) |" if hybrid else "")
+             + " preemptions |", "|---|---|---|---|---|---|---|---|" + ("---|" if hybrid else "")]
     for r in result["runs"]:
         ratio = r.get("total_ratio_to_stock")
+        held = r.get("held_blocks", {})
+        split = " / ".join(f"{held[k]['mean']:.1f} ({held[k]['peak']})" for k in ("global", "sliding") if k in held)
         lines.append(
             f"| {r['workload']} | {names.get(r['config'], 'H2O ' + r['config'][4:] if r['policy'] == 'h2o' else r['config'])} "
             f"| {r['total_tok_s']:.1f} | {r['output_tok_s']:.1f} | {'' if ratio is None else f'{ratio:.2f}'} "
             f"| {r['mean_running']:.1f} / {r['peak_running']} | {r['mean_blocks_used']:.1f} / {r['peak_blocks_used']} "
-            f"| {r['num_preemptions']} |")
+            + (f"| {split} " if hybrid else "") + f"| {r['num_preemptions']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -28,3 +28,9 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, cached across runs in $H2O_VLLM_CACHE (~20 s on the first run)."""
     return models.smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M (hybrid sliding-window), cached like SmolLM2 (~2.5 min on the first run)."""
+    return models.gemma3_dir()

@@ -178,19 +178,36 @@ class RunStats:
     peak_blocks_allocated: int = 0  # pool blocks not free right after any allocation (in-step peak)
     running: list[int] = field(default_factory=list)      # per step, after it
     blocks_used: list[int] = field(default_factory=list)  # per step, after it
+    held_by_kind: dict[str, list[int]] = field(default_factory=dict)  # per step: held_blocks_by_kind
 
     def summary(self) -> dict[str, Any]:
         def mean(xs):
             return sum(xs) / len(xs) if xs else 0.0
-        out = {k: v for k, v in asdict(self).items() if k not in ("running", "blocks_used")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("running", "blocks_used", "held_by_kind")}
         out.update(
             requests_s=self.num_requests / self.elapsed_s,
             output_tok_s=self.output_tokens / self.elapsed_s,
             total_tok_s=(self.prompt_tokens + self.output_tokens) / self.elapsed_s,
             mean_running=mean(self.running), peak_running=max(self.running, default=0),
             mean_blocks_used=mean(self.blocks_used), peak_blocks_used=max(self.blocks_used, default=0),
+            held_blocks={kind: {"mean": mean(xs), "peak": max(xs, default=0)} for kind, xs in self.held_by_kind.items()},
         )
         return out
+
+
+def held_blocks_by_kind(scheduler) -> dict[str, int]:
+    """Blocks the scheduler's requests hold, by the attention of their KV-cache group:
+    "global" (full attention: H2O's) and, for a hybrid model, "sliding" (vLLM's window). A
+    block is the same memory in every group (vLLM pages them uniformly), so the split is the
+    KV memory's. The null blocks standing for a window's dropped past hold nothing."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    held: dict[str, int] = {}
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        kind = "sliding" if isinstance(manager.kv_cache_spec, SlidingWindowSpec) else "global"
+        held[kind] = held.get(kind, 0) + sum(
+            not block.is_null for blocks in manager.req_to_blocks.values() for block in blocks)
+    return held
 
 
 def scheduler_of(llm):
@@ -205,7 +222,7 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     """Submit every prompt at once, step the engine to the end, sample the scheduler per step.
 
     running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
-    excluded); peak_blocks_allocated: the same right after each ``BlockPool.get_new_blocks``
+    excluded); held_by_kind: ``held_blocks_by_kind``; peak_blocks_allocated: the same right after each ``BlockPool.get_new_blocks``
     (a step's peak, before the compactions it ends with free blocks); preemptions: calls of
     ``Scheduler._preempt_request`` (counted by an instance-level wrapper, this engine only). ``progress``: a tqdm bar advanced per finished request.
     """
@@ -237,6 +254,8 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
             stats.num_steps += 1
             stats.running.append(len(scheduler.running))
             stats.blocks_used.append(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+            for kind, held in held_blocks_by_kind(scheduler).items():
+                stats.held_by_kind.setdefault(kind, []).append(held)
             for out in outputs:
                 if out.finished:
                     stats.prompt_tokens += len(out.prompt_token_ids)

