@@ -86,6 +86,12 @@ def windows(ids: list[int], n: int, length: int) -> list[list[int]]:
     return [ids[i * span // max(1, n - 1):][:length] for i in range(n)]
 
 
+def leading_specials(tokenizer) -> list[int]:
+    """What the tokenizer puts before any text (Gemma: <bos>, without which its output is
+    garbage; SmolLM2: nothing). Every prompt here starts with it, as a served prompt would."""
+    return tokenizer.encode("", add_special_tokens=True)
+
+
 def passkey_prompts(tokenizer, filler_ids: list[int], n: int, filler_len: int, seed: int):
     """(prompt ids, key) pairs: the key first, ``filler_len`` tokens of real text, the question."""
     rng = random.Random(seed)
@@ -96,7 +102,7 @@ def passkey_prompts(tokenizer, filler_ids: list[int], n: int, filler_len: int, s
         head = tokenizer.encode(f"The secret pass key is {key}. Remember it, you will be asked for it.\n\n",
                                 add_special_tokens=False)
         tail = tokenizer.encode("\n\nWhat is the secret pass key? The secret pass key is", add_special_tokens=False)
-        items.append((head + filler_ids[start:start + filler_len] + tail, key))
+        items.append((leading_specials(tokenizer) + head + filler_ids[start:start + filler_len] + tail, key))
     return items
 
 
@@ -109,7 +115,8 @@ def build_requests(args, tokenizer, texts: dict[str, str]) -> list[dict]:
     if "gen" in args.tasks:
         for name, ids in all_ids.items():
             for i, w in enumerate(windows(ids, args.gen_prompts, args.gen_prompt_len)):
-                requests.append({"task": "gen", "id": f"{name}-{i}", "prompt": w, "max_tokens": args.gen_len})
+                requests.append({"task": "gen", "id": f"{name}-{i}", "prompt": leading_specials(tokenizer) + w,
+                                 "max_tokens": args.gen_len})
     if "passkey" in args.tasks:
         filler = tokenizer.encode(available_texts(args.passkey_text)[args.passkey_text], add_special_tokens=False)
         for i, (prompt, key) in enumerate(passkey_prompts(tokenizer, filler, args.passkey_samples,
@@ -200,7 +207,7 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
             ref = H2OOracle(model, H2OConfig.from_dict({**h2o, "interval": 1}) if h2o else None)
             nll, count, started = 0.0, 0, time.perf_counter()
             for w in windows(ids, args.ppl_windows, length):
-                logprobs = ref.score(w[:args.ppl_prompt_len], w[args.ppl_prompt_len:])
+                logprobs = ref.score(leading_specials(tokenizer) + w[:args.ppl_prompt_len], w[args.ppl_prompt_len:])
                 nll -= float(logprobs.sum())
                 count += logprobs.numel()
                 progress.update(1)
@@ -241,7 +248,7 @@ def main(argv=None) -> dict:
     num_ppl = len(texts) * len(labels) * args.ppl_windows if "ppl" in tasks else 0
     bar = tqdm(total=num_engines + num_ppl, desc="quality", unit="step")
     if num_engines:
-        max_len = max(args.gen_prompt_len + args.gen_len, args.passkey_filler + 64 + 12)
+        max_len = max(args.gen_prompt_len + args.gen_len, args.passkey_filler + 64 + 12) + 1  # + <bos>
         max_len = -(-max_len // args.block_size) * args.block_size
         engine_out = {}
         for h2o in (False, True):

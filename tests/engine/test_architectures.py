@@ -1,7 +1,8 @@
 """The architecture matrix: a tiny random model of every family in ``models.TINY_FAMILIES``
 generates with H2O what the dense oracle does, token for token, under the paper's H2O and the
 recommended score mode (observation window + pooling), on the CPU path and on the CUDA path
-under the switch (``H2O_VLLM_TRITON_ON_CPU=1``, Triton interpreted); after every step each
+under the switch (``H2O_VLLM_TRITON_ON_CPU=1``, Triton interpreted; the hybrid Gemma 3 on
+Model Runner V2 as well as V1); after every step each
 running request's block list agrees with the scheduler's count, and the pool drains.
 
 The oracle runs each family through its own transformers forward with H2O's attention
@@ -35,7 +36,10 @@ ENGINE = dict(in_process=True, block_size=BLOCK, max_model_len=256, max_num_batc
 # tight as the others' serialises the requests and evicts every prefix before it is reused.
 POOL = {"gemma3": 40}
 CUDA_SWITCH = {SWITCH: "1", V2_ENV: "0"}
-IMPLS = {"cpu": "H2OCPUImpl", "cuda": "H2OTritonImpl"}
+IMPLS = {"cpu": "H2OCPUImpl", "cuda": "H2OTritonImpl", "cuda-v2": "H2OTritonImpl"}
+# The hybrid model on Model Runner V2 too (CUDA's default runner; on the CPU vLLM runs V2 only
+# with Triton, so only the switch reaches it): its per-group block tables are V2's own.
+V2_FAMILIES = ["gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +50,16 @@ def family_dirs(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def engine_futures(family_dirs) -> dict:
-    """Every engine of the module, started with it in fresh processes: {("cpu" | "cuda",
-    family): future}. The CPU path's in one process; the CUDA path's (the switch must be set
-    before vLLM is imported) in two, each serving half the families one after another, since
-    the interpreter runs on one core. Fresh processes also keep this one's transformers
+    """Every engine of the module, started with it in fresh processes: {(path, family):
+    future}. The CPU path's in one process; the CUDA path's (the switch must be set before
+    vLLM is imported) in two, each serving half the families one after another, since the
+    interpreter runs on one core; V2's in a fourth. Fresh processes also keep this one's transformers
     classes pristine: vLLM serves GPT-NeoX through its Transformers backend, which rebases
     transformers' own model class for torch.compile (the class then builds only inside a vLLM
     config, and the oracle, here or in later test modules, could not build it)."""
     families = list(family_dirs)
-    jobs = [("cpu", families, {})] + [("cuda", half, CUDA_SWITCH) for half in (families[0::2], families[1::2])]
+    jobs = ([("cpu", families, {})] + [("cuda", half, CUDA_SWITCH) for half in (families[0::2], families[1::2])]
+            + [("cuda-v2", V2_FAMILIES, {**CUDA_SWITCH, V2_ENV: "1"})])
     futures = {}
     for path, names, env in jobs:
         future = start_in_fresh_process(serve_families, {f: family_dirs[f] for f in names}, IMPLS[path], env=env)
@@ -116,8 +121,8 @@ def check(family: str, outputs: list[list[int]], want_by_case: dict) -> None:
         assert outputs[i * n:(i + 1) * n] == want, f"{family}, {name}: the engine and the oracle differ"
 
 
-@pytest.mark.parametrize("path", ["cpu", "cuda"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "path"), [(f, path) for f in FAMILIES for path in ("cpu", "cuda")]
+                         + [(f, "cuda-v2") for f in V2_FAMILIES])
 def test_family_equals_oracle(family, path, expectations, engine_futures):
     result = engine_futures[path, family].result()[family]
     if isinstance(result, str):
