@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from h2o_vllm.config import (REQUEST_KEYS, REQUEST_PREFIX, config_from_additional, request_config,
                              request_overrides)
+from h2o_vllm.frontend.conflicts import FULL_LAYERS, SLIDING_LAYERS
 from h2o_vllm.policy import request_peak_blocks
 
 def _request_error(message: str, value) -> ValueError:
@@ -52,7 +53,9 @@ def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, ext
     """Raise ``ValueError`` when one request could never fit the KV pool, even alone: with
     ``max_model_len`` above the pool (an engine with ``prefill_chunk`` starts there) a prompt
     held whole, or a budget too large, would otherwise wait or be preempted forever. Checked
-    once the engine has reported its pool (``cache_config.num_gpu_blocks``)."""
+    once the engine has reported its pool (``cache_config.num_gpu_blocks``). A hybrid model's
+    request holds blocks in every KV-cache group of the shared pool: H2O's peak in each
+    full-attention group, vLLM's window in each sliding-window one."""
     config = config_from_additional(vllm_config.additional_config)
     cache = vllm_config.cache_config
     if config is None or not cache.num_gpu_blocks:
@@ -62,8 +65,16 @@ def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, ext
     max_len = min(prompt_len + (max_tokens or 0), vllm_config.model_config.max_model_len)
     request = request_config(config, extra_args)
     budget = request.budget(prompt_len, cache.block_size)
-    need = request_peak_blocks(prompt_len, max_len, budget, cache.block_size,
-                               bool(cache.enable_prefix_caching))
+    h2o_blocks = request_peak_blocks(prompt_len, max_len, budget, cache.block_size,
+                                     bool(cache.enable_prefix_caching))
+    full_groups, sliding_groups = kv_cache_group_counts(vllm_config)
+    window_blocks = 0
+    if sliding_groups:
+        step = min(prompt_len, budget.prefill_chunk or prompt_len,
+                   getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or prompt_len)
+        window_blocks = sliding_peak_blocks(max_len, vllm_config.model_config.get_sliding_window(), step,
+                                            cache.block_size)
+    need = full_groups * h2o_blocks + sliding_groups * window_blocks
     if need <= pool:
         return
     chunked = budget.prefill_chunk is not None and budget.prefill_chunk < prompt_len
@@ -72,7 +83,34 @@ def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, ext
            "or the budget" if chunked else
            "the prompt is held whole until its end: set h2o_prefill_chunk (--h2o-prefill-chunk) so "
            "that H2O evicts between prompt chunks, or lower the budget")
+    groups = (f"; {h2o_blocks} in each of {full_groups} full-attention KV-cache groups and "
+              f"{window_blocks} in each of {sliding_groups} sliding-window ones" if sliding_groups else "")
     raise _request_error(
         f"this request needs up to {need} KV blocks at once (prompt of {prompt_len} tokens, at most "
-        f"{max_len} in all, H2O budget {budget.tokens} tokens), more than the KV pool's {pool}: {how}",
+        f"{max_len} in all, H2O budget {budget.tokens} tokens{groups}), more than the KV pool's {pool}: {how}",
         {"prompt_tokens": prompt_len, "max_tokens": max_tokens})
+
+
+def kv_cache_group_counts(vllm_config) -> tuple[int, int]:
+    """(full-attention groups, sliding-window groups) among the KV-cache groups vLLM forms for
+    the model, by vLLM's rule for a uniform page size: layers of one kind are split into groups
+    of the smaller kind's count, or of the larger's when it is less than 1.5 times the smaller
+    (``_get_kv_cache_groups_uniform_page_size``; the contract test holds it to vLLM's). A model
+    without sliding-window layers, or one whose windows vLLM does not keep apart, is one group."""
+    layer_types = getattr(vllm_config.model_config.hf_text_config, "layer_types", None) or ()
+    full = sum(t in FULL_LAYERS for t in layer_types)
+    sliding = sum(t in SLIDING_LAYERS for t in layer_types)
+    if (not full or not sliding or not vllm_config.model_config.get_sliding_window()
+            or getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False)):
+        return 1, 0
+    size = min(full, sliding)
+    if max(full, sliding) < 1.5 * size:
+        size = max(full, sliding)
+    return -(-full // size), -(-sliding // size)
+
+
+def sliding_peak_blocks(max_len: int, window: int, step_tokens: int, block_size: int) -> int:
+    """Most blocks one request holds in a sliding-window group: before a step vLLM drops the
+    blocks wholly outside the window of the tokens computed so far, then allocates the step's
+    ``step_tokens`` (its prompt chunk; a decode step's one token is fewer)."""
+    return min(-(-max_len // block_size), -(-(window - 1 + step_tokens) // block_size) + 1)

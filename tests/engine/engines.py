@@ -135,6 +135,15 @@ def worker_block_ids(runner, request_id: str, group: int = 0) -> list[int]:
     return held
 
 
+def h2o_group(scheduler):
+    """(index, manager) of the scheduler's one H2O KV-cache group (a hybrid model's others
+    are vLLM's sliding-window groups)."""
+    from h2o_vllm.scheduler.manager import H2OManager
+    (group, manager), = [(i, m) for i, m in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers)
+                         if isinstance(m, H2OManager)]
+    return group, manager
+
+
 def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
     """After a step: every running request holds cdiv(live KV length, block) blocks in the
     scheduler, the same list as the worker's (``worker_block_ids``). Returns the
@@ -149,9 +158,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
     from h2o_vllm.config import H2OConfig
     from h2o_vllm.policy import kv_len_after
     scheduler, runner = scheduler_of(llm), model_runner_of(llm)
-    from h2o_vllm.scheduler.manager import H2OManager
-    (group, manager), = [(i, m) for i, m in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers)
-                         if isinstance(m, H2OManager)]
+    group, manager = h2o_group(scheduler)
     evicted = []
     for request in scheduler.running:
         rid = request.request_id

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from budgets import BUDGETS, MODES, extra_args, oracle
-from engines import (check_block_lists, greedy, model_runner_of, random_prompts, run_steps,
+from engines import (check_block_lists, greedy, h2o_group, model_runner_of, random_prompts, run_steps,
                      scheduler_of, vllm_engine)
 
 BLOCK = 16
@@ -71,6 +71,7 @@ def serve_matrix(model_dir, cases, prompts, env=None, **kwargs) -> dict:
         impls = {type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")}
         assert impls == {"H2OTritonImpl" if env else "H2OCPUImpl"}, impls
         scheduler = scheduler_of(llm)
+        _, manager = h2o_group(scheduler)
         pool = scheduler.kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
         seen = {"evicted": [], "mid_prompt_evictions": 0, "peak_blocks": 0}
@@ -79,8 +80,7 @@ def serve_matrix(model_dir, cases, prompts, env=None, **kwargs) -> dict:
             seen["evicted"].extend(check_block_lists(llm, ENGINE_H2O, BLOCK))
             seen["mid_prompt_evictions"] += sum(
                 r.num_computed_tokens < r.num_prompt_tokens and r.num_computed_tokens > 0
-                and len(scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-                        .req_to_blocks[r.request_id]) * BLOCK < r.num_computed_tokens
+                and len(manager.req_to_blocks[r.request_id]) * BLOCK < r.num_computed_tokens
                 for r in scheduler.running)
             seen["peak_blocks"] = max(seen["peak_blocks"], NUM_BLOCKS - 1 - pool.get_num_free_blocks())
 
@@ -133,6 +133,41 @@ def test_a_prompt_held_whole_that_cannot_fit_the_pool_is_refused(cpu_outputs):
     engine then served the matrix."""
     _, seen = cpu_outputs
     assert "more than the KV pool's 23" in seen["refused"] and "h2o_prefill_chunk" in seen["refused"]
+
+
+# A hybrid model (tiny Gemma 3: a sliding-window layer, window 24, and a full-attention one):
+# H2O's group evicts between chunks while vLLM's window group keeps its window, in the same
+# 24-block pool; the refusal counts both groups' blocks.
+HYBRID_CASES = [("tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-interval1", 64)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    from h2o_vllm.tools import models
+    return models.build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def hybrid_outputs(hybrid_dir):
+    return serve_matrix(hybrid_dir, HYBRID_CASES, PROMPTS)
+
+
+def test_hybrid_model_evicts_between_chunks_and_refuses_counting_both_groups(hybrid_outputs):
+    _, seen = hybrid_outputs
+    assert seen["mid_prompt_evictions"] > 0
+    # Held whole, the 450-token prompt needs 30 blocks in H2O's group (29, and with prefix
+    # caching the budget's fresh block) and 5 in the window's (the window before a 40-token
+    # step, plus the step): 35 of 23.
+    assert "needs up to 35 KV blocks" in seen["refused"]
+    assert "30 in each of 1 full-attention KV-cache groups and 5 in each of 1 sliding-window" in seen["refused"]
+
+
+@pytest.mark.parametrize("name, chunk", HYBRID_CASES)
+def test_hybrid_chunked_prefill_matches_dense_oracle(hybrid_outputs, hybrid_dir, name, chunk):
+    from transformers import AutoModelForCausalLM
+    outputs, _ = hybrid_outputs
+    model = AutoModelForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float32).eval()
+    assert outputs[(name, chunk)] == oracle(model, _budget(name, chunk), BLOCK).generate(PROMPTS, MAX_TOKENS)
 
 
 # The CUDA path (H2OTritonAttentionBackend) under the switch, every Triton kernel interpreted

@@ -134,13 +134,16 @@ def test_flags_score_modes_fold_and_refuse():
         check_request_overrides({"h2o": {}}, {"h2o_pool_kernel": 2})
 
 
-def _served(num_gpu_blocks, h2o, max_model_len=4096, prefix_caching=False, dp=1):
+def _served(num_gpu_blocks, h2o, max_model_len=4096, prefix_caching=False, dp=1, layer_types=None,
+            window=None, block_size=16):
     from types import SimpleNamespace
     return SimpleNamespace(
         additional_config={"h2o": h2o},
-        cache_config=SimpleNamespace(num_gpu_blocks=num_gpu_blocks, block_size=16,
+        cache_config=SimpleNamespace(num_gpu_blocks=num_gpu_blocks, block_size=block_size,
                                      enable_prefix_caching=prefix_caching),
-        model_config=SimpleNamespace(max_model_len=max_model_len),
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_text_config=SimpleNamespace(layer_types=layer_types),
+                                     get_sliding_window=lambda: window),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192, disable_hybrid_kv_cache_manager=False),
         parallel_config=SimpleNamespace(data_parallel_size=dp))
 
 
@@ -159,3 +162,25 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_naming_the_fix():
     # Data parallel: process 0 sums the engines' pools; a request runs in one.
     with pytest.raises(ValueError, match="pool's 64"):
         check_request_fits(_served(130, tokens, dp=2), 2000, 16, None)
+
+
+GEMMA3_270M_LAYERS = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+
+def test_a_hybrid_request_counts_every_kv_cache_group_of_the_shared_pool():
+    """Gemma 3 270M: vLLM makes 1 full-attention and 5 sliding-window groups of 3 layers. A
+    1,100-token prompt (+ 24 tokens) held whole needs cdiv(1100, 32) = 35 blocks in H2O's group
+    (then it compacts) and cdiv(1124, 32) = 36 in each sliding group (the prompt is one step,
+    before vLLM drops what leaves the window): 215, where a model of full layers needs 35."""
+    from h2o_vllm.frontend.requests import check_request_fits, kv_cache_group_counts
+    hybrid = dict(layer_types=GEMMA3_270M_LAYERS, window=512, block_size=32)
+    assert kv_cache_group_counts(_served(100, {}, **hybrid)) == (1, 5)
+    with pytest.raises(ValueError, match=r"needs up to 215 KV blocks.*35 in each of 1 full-attention "
+                                         r"KV-cache groups and 36 in each of 5 sliding-window ones.*pool's 199"):
+        check_request_fits(_served(200, {}, **hybrid), 1100, 24, None)
+    check_request_fits(_served(216, {}, **hybrid), 1100, 24, None)
+    check_request_fits(_served(200, {}, layer_types=["full_attention"] * 18, block_size=32), 1100, 24, None)
+    # In chunks of 256 a sliding group holds the window before a chunk plus the chunk:
+    # cdiv(511 + 256, 32) + 1 = 25 blocks, and H2O's group its chunked peak.
+    with pytest.raises(ValueError, match=r"25 in each of 5 sliding-window ones"):
+        check_request_fits(_served(100, {}, **hybrid), 1100, 24, {"h2o_prefill_chunk": 256})

@@ -635,3 +635,28 @@ def test_the_cpu_builder_reads_only_what_decode_rows_metadata_cuts_down():
     from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata
     rebuilt = set(re.findall(r"(\w+)=", inspect.getsource(decode_rows_metadata)))
     assert cut_down <= rebuilt <= _fields("vllm.v1.attention.backend:CommonAttentionMetadata") | {"dtype"}
+
+
+@pytest.mark.parametrize(("full", "sliding"), [(3, 15), (1, 1), (2, 3), (4, 5), (5, 4), (7, 21), (2, 24), (8, 40)])
+def test_hybrid_group_counts_follow_vllms_grouping(full, sliding):
+    """``frontend.requests.kv_cache_group_counts`` models vLLM's grouping of a hybrid model's
+    layers (uniform page size) to count a request's blocks in every group; vLLM must still
+    form the groups it counts."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from h2o_vllm.frontend.requests import kv_cache_group_counts
+    shape = dict(block_size=32, num_kv_heads=1, head_size=256, dtype=torch.float32)
+    specs = {f"layers.{i}": FullAttentionSpec(**shape) for i in range(full)}
+    specs.update({f"layers.{full + i}": SlidingWindowSpec(**shape, sliding_window=512) for i in range(sliding)})
+    groups = _get_kv_cache_groups_uniform_page_size(specs)
+    want = (sum(isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups),
+            sum(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups))
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(
+            layer_types=["full_attention"] * full + ["sliding_attention"] * sliding), get_sliding_window=lambda: 512),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
+    assert kv_cache_group_counts(config) == want
