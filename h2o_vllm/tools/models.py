@@ -371,10 +371,11 @@ def _tiny_corpus() -> list[str]:
 
 
 def main() -> None:
-    """`python -m h2o_vllm.tools.models [CACHE_DIR]`: build the SmolLM2 directory and print its path."""
+    """`python -m h2o_vllm.tools.models [smollm2 | gemma3-270m]`: build a real model's directory
+    (default SmolLM2) in the cache and print its path."""
     import sys
 
-    print(smollm2_dir(sys.argv[1] if len(sys.argv) > 1 else None))
+    print(model_dir(sys.argv[1] if len(sys.argv) > 1 else None))
 
 
 if __name__ == "__main__":

@@ -86,3 +86,47 @@ def test_smollm2_chat_template_comes_from_the_gguf(smollm2):
                                          add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer("<|im_start|>").input_ids == [tokenizer.bos_token_id]  # one special token
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_dir):
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
+    model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32)
+    return tokenizer, model
+
+
+def test_gemma3_adds_one_bos_and_continues_sensibly(gemma3):
+    """Without <bos> Gemma's output is garbage; the GGUF asks for it but transformers' loaded
+    tokenizer drops it, so the build puts it back (once)."""
+    tokenizer, model = gemma3
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    assert prompt.input_ids[0].tolist().count(tokenizer.bos_token_id) == 1
+    assert prompt.input_ids[0, 0] == tokenizer.bos_token_id
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert "France" in tokenizer.decode(out[0, prompt.input_ids.shape[1]:])
+
+
+def test_gemma3_is_the_hybrid_it_stands_for(gemma3):
+    _, model = gemma3
+    config = model.config
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [5, 11, 17]
+    assert (config.sliding_window, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.vocab_size) == (512, 4, 1, 256, 262144)
+
+
+def test_model_dir_takes_a_real_models_name_or_a_path(tmp_path):
+    assert models.model_dir("gemma3-270m") == models.gemma3_dir()
+    assert models.model_dir(None) == models.smollm2_dir()
+    assert models.model_dir(tmp_path) == tmp_path
+
+
+def test_a_gemma3_gguf_whose_defaults_moved_is_refused():
+    from types import SimpleNamespace
+    config = SimpleNamespace(query_pre_attn_scalar=256, sliding_window=512, num_hidden_layers=18,
+                             rope_parameters={"sliding_attention": {"rope_theta": 10000.0}},
+                             layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)
+    models._check_gemma3_config(config)
+    config.query_pre_attn_scalar = 64
+    with pytest.raises(ValueError, match="query_pre_attn_scalar"):
+        models._check_gemma3_config(config)
