@@ -82,7 +82,8 @@ def gemma3_oracle(gemma3_dir, gemma3_prompts):
     model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
     outputs = {name: oracle(model, budget, GEMMA3_BLOCK).generate(gemma3_prompts, GEMMA3_MAX_TOKENS)
                for name, budget in GEMMA3_RUNS.items()}
-    outputs["full"] = H2OOracle(model, None).generate(gemma3_prompts, GEMMA3_MAX_TOKENS)
+    # The control, on the longest prompt only (the oracle's time is most of this module's).
+    outputs["full"] = H2OOracle(model, None).generate(gemma3_prompts[:1], GEMMA3_MAX_TOKENS)
     return outputs
 
 
@@ -112,7 +113,7 @@ def gemma3_engine_run(gemma3_dir, gemma3_prompts, gemma3_oracle):
 def test_gemma3_h2o_matches_dense_oracle(gemma3_oracle, gemma3_engine_run, run):
     outputs, _, _ = gemma3_engine_run
     assert outputs[run] == gemma3_oracle[run]
-    assert gemma3_oracle[run] != gemma3_oracle["full"], "eviction changed nothing: the comparison proves little"
+    assert gemma3_oracle[run][0] != gemma3_oracle["full"][0], "eviction changed nothing: the comparison proves little"
 
 
 def test_gemma3_prefix_hits_resume_both_groups_and_the_pool_drains(gemma3_prompts, gemma3_engine_run):

@@ -88,28 +88,19 @@ def test_smollm2_chat_template_comes_from_the_gguf(smollm2):
     assert tokenizer("<|im_start|>").input_ids == [tokenizer.bos_token_id]  # one special token
 
 
-@pytest.fixture(scope="module")
-def gemma3(gemma3_dir):
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
-    model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32)
-    return tokenizer, model
-
-
-def test_gemma3_adds_one_bos_and_continues_sensibly(gemma3):
+def test_gemma3_adds_one_bos(gemma3_dir):
     """Without <bos> Gemma's output is garbage; the GGUF asks for it but transformers' loaded
-    tokenizer drops it, so the build puts it back (once)."""
-    tokenizer, model = gemma3
-    prompt = tokenizer("The capital of France is", return_tensors="pt")
-    assert prompt.input_ids[0].tolist().count(tokenizer.bos_token_id) == 1
-    assert prompt.input_ids[0, 0] == tokenizer.bos_token_id
-    with torch.no_grad():
-        out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
-    assert "France" in tokenizer.decode(out[0, prompt.input_ids.shape[1]:])
+    tokenizer drops it, so the build puts it back (once). (That the model then continues text
+    sensibly shows in its quality table; that vLLM serves it as the oracle runs it, in
+    tests/engine/test_real_model.py.)"""
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_dir)
+    ids = tokenizer("The capital of France is").input_ids
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
 
 
-def test_gemma3_is_the_hybrid_it_stands_for(gemma3):
-    _, model = gemma3
-    config = model.config
+def test_gemma3_is_the_hybrid_it_stands_for(gemma3_dir):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(gemma3_dir)
     assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [5, 11, 17]
     assert (config.sliding_window, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim, config.vocab_size) == (512, 4, 1, 256, 262144)
