@@ -146,7 +146,7 @@ def capacity_one(job: dict) -> dict:
     prompt = bench.text_prompts(ids * (length // len(ids) + 1), 1, length, a["seed"])[0]
     started = time.perf_counter()
     try:
-        llm = LLM(job["model"], dtype="float32", block_size=a["block_size"], enable_prefix_caching=False,
+        llm = LLM(job["model"], disable_log_stats=False, dtype="float32", block_size=a["block_size"], enable_prefix_caching=False,
                   num_gpu_blocks_override=a["num_blocks"], max_model_len=max_model_len, enforce_eager=True,
                   seed=a["seed"], **({} if engine_h2o is None else {"additional_config": {"h2o": engine_h2o}}))
     except Exception as exc:  # vLLM's start-up check: the pool cannot hold one request

@@ -71,7 +71,7 @@ def run_one(job: dict) -> dict:
     h2o = bench.h2o_config(job["policy"], job["budget"], job["max_model_len"], a["block_size"])
     extra = {} if h2o is None else {"additional_config": {"h2o": h2o}}
     started = time.perf_counter()
-    llm = LLM(job["model"], dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,
+    llm = LLM(job["model"], disable_log_stats=False, dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,
               num_gpu_blocks_override=job["num_blocks"], max_model_len=job["max_model_len"],
               max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=a["max_num_batched_tokens"],
               enforce_eager=not a["no_enforce_eager"], seed=a["seed"], **extra)

@@ -218,23 +218,29 @@ def scheduler_of(llm):
     return core.scheduler
 
 
+def preemptions(llm) -> int:
+    """vLLM's own preemption counter (``vllm:num_preemptions``, what its /metrics serves) of
+    an offline engine; it counts only with the engine's stats on (``disable_log_stats=False``)."""
+    from vllm.v1.metrics.reader import Counter
+    counters = [m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name == "vllm:num_preemptions"]
+    if not counters:
+        raise RuntimeError("measure() reads vLLM's preemption counter: build the LLM with disable_log_stats=False")
+    return int(sum(counters))
+
+
 def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     """Submit every prompt at once, step the engine to the end, sample the scheduler per step.
 
     running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
-    excluded); held_by_kind: ``held_blocks_by_kind``; peak_blocks_allocated: the same right after each ``BlockPool.get_new_blocks``
-    (a step's peak, before the compactions it ends with free blocks); preemptions: calls of
-    ``Scheduler._preempt_request`` (counted by an instance-level wrapper, this engine only). ``progress``: a tqdm bar advanced per finished request.
+    excluded); held_by_kind: ``held_blocks_by_kind``; peak_blocks_allocated: the same right
+    after each ``BlockPool.get_new_blocks`` (a step's peak, before the compactions it ends
+    with free blocks); preemptions: vLLM's own counter over the run (``preemptions``).
+    ``progress``: a tqdm bar advanced per finished request.
     """
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     stats = RunStats(num_requests=len(prompts), num_blocks=pool.num_gpu_blocks - 1)
-    preempt = scheduler._preempt_request
-
-    def counting_preempt(*args, **kwargs):
-        stats.num_preemptions += 1
-        return preempt(*args, **kwargs)
 
     def tracking_get_new_blocks(*args, **kwargs):
         blocks = get_new_blocks(*args, **kwargs)
@@ -243,8 +249,8 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
         return blocks
 
     get_new_blocks = pool.get_new_blocks
-    scheduler._preempt_request = counting_preempt
     pool.get_new_blocks = tracking_get_new_blocks
+    preempted_before = preemptions(llm)
     try:
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
@@ -263,7 +269,7 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
                     if progress is not None:
                         progress.update(1)
         stats.elapsed_s = time.perf_counter() - start
+        stats.num_preemptions = preemptions(llm) - preempted_before
     finally:
-        del scheduler._preempt_request
         del pool.get_new_blocks
     return stats
