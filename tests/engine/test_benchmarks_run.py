@@ -21,15 +21,19 @@ def _load(name: str):
 
 
 def test_throughput_benchmark_runs(tiny_llama_dir, tmp_path):
+    """The default pool (room for 2 full sequences: 6 blocks of 32) admits two 40-token prompts
+    that then outgrow it: stock vLLM preempts, and vLLM's own counter says so."""
     out = tmp_path / "throughput"
     result = _load("throughput").main([
         "--model", str(tiny_llama_dir), "--workloads", "synthetic", "--configs", "stock,h2o:0.2",
-        "--num-requests", "3", "--prompt-len", "40", "--output-len", "24", "--out", str(out)])
+        "--num-requests", "3", "--prompt-len", "40", "--output-len", "56", "--out", str(out)])
     saved = json.loads((out / "throughput.json").read_text())
     assert (out / "throughput.png").stat().st_size > 0
     assert [r["config"] for r in saved["runs"]] == ["stock", "h2o-20%"]
+    assert saved["runs"][0]["num_preemptions"] > 0
+    assert set(saved["runs"][0]["held_blocks"]) == {"global"}  # one full-attention group
     for run in saved["runs"]:
-        assert run["output_tokens"] == 3 * 24 and run["prompt_tokens"] == 3 * 40
+        assert run["output_tokens"] == 3 * 56 and run["prompt_tokens"] == 3 * 40
         assert run["total_tok_s"] > 0 and run["peak_running"] >= 1 and run["peak_blocks_used"] >= 1
     assert saved["runs"][0]["total_ratio_to_stock"] == pytest.approx(1.0)
     assert result["meta"]["num_blocks"] == saved["meta"]["num_blocks"]
