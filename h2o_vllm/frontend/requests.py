@@ -71,7 +71,7 @@ def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, ext
     window_blocks = 0
     if sliding_groups:
         step = min(prompt_len, budget.prefill_chunk or prompt_len,
-                   getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or prompt_len)
+                   vllm_config.scheduler_config.max_num_batched_tokens)
         window_blocks = sliding_peak_blocks(max_len, vllm_config.model_config.get_sliding_window(), step,
                                             cache.block_size)
     need = full_groups * h2o_blocks + sliding_groups * window_blocks
@@ -101,7 +101,7 @@ def kv_cache_group_counts(vllm_config) -> tuple[int, int]:
     full = sum(t in FULL_LAYERS for t in layer_types)
     sliding = sum(t in SLIDING_LAYERS for t in layer_types)
     if (not full or not sliding or not vllm_config.model_config.get_sliding_window()
-            or getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False)):
+            or vllm_config.scheduler_config.disable_hybrid_kv_cache_manager):
         return 1, 0
     size = min(full, sliding)
     if max(full, sliding) < 1.5 * size:
