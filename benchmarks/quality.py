@@ -95,6 +95,7 @@ def leading_specials(tokenizer) -> list[int]:
 def passkey_prompts(tokenizer, filler_ids: list[int], n: int, filler_len: int, seed: int):
     """(prompt ids, key) pairs: the key first, ``filler_len`` tokens of real text, the question."""
     rng = random.Random(seed)
+    lead = leading_specials(tokenizer)
     items = []
     for _ in range(n):
         key = str(rng.randrange(10000, 1000000))
@@ -102,20 +103,21 @@ def passkey_prompts(tokenizer, filler_ids: list[int], n: int, filler_len: int, s
         head = tokenizer.encode(f"The secret pass key is {key}. Remember it, you will be asked for it.\n\n",
                                 add_special_tokens=False)
         tail = tokenizer.encode("\n\nWhat is the secret pass key? The secret pass key is", add_special_tokens=False)
-        items.append((leading_specials(tokenizer) + head + filler_ids[start:start + filler_len] + tail, key))
+        items.append((lead + head + filler_ids[start:start + filler_len] + tail, key))
     return items
 
 
 def build_requests(args, tokenizer, texts: dict[str, str]) -> list[dict]:
     """The prompts of (b) and (c), identical for every engine."""
     requests = []
+    lead = leading_specials(tokenizer)
     all_ids = {}
     for name, text in texts.items():
         all_ids[name] = tokenizer.encode(text, add_special_tokens=False)
     if "gen" in args.tasks:
         for name, ids in all_ids.items():
             for i, w in enumerate(windows(ids, args.gen_prompts, args.gen_prompt_len)):
-                requests.append({"task": "gen", "id": f"{name}-{i}", "prompt": leading_specials(tokenizer) + w,
+                requests.append({"task": "gen", "id": f"{name}-{i}", "prompt": lead + w,
                                  "max_tokens": args.gen_len})
     if "passkey" in args.tasks:
         filler = tokenizer.encode(available_texts(args.passkey_text)[args.passkey_text], add_special_tokens=False)
@@ -198,6 +200,7 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     length = args.ppl_prompt_len + args.ppl_continuation_len
+    lead = leading_specials(tokenizer)
     out = {}
     for name, text in texts.items():
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -207,7 +210,7 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
             ref = H2OOracle(model, H2OConfig.from_dict({**h2o, "interval": 1}) if h2o else None)
             nll, count, started = 0.0, 0, time.perf_counter()
             for w in windows(ids, args.ppl_windows, length):
-                logprobs = ref.score(leading_specials(tokenizer) + w[:args.ppl_prompt_len], w[args.ppl_prompt_len:])
+                logprobs = ref.score(lead + w[:args.ppl_prompt_len], w[args.ppl_prompt_len:])
                 nll -= float(logprobs.sum())
                 count += logprobs.numel()
                 progress.update(1)
