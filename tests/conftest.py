@@ -32,5 +32,5 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
-    """Gemma 3 270M (hybrid sliding-window), cached like SmolLM2 (~2.5 min on the first run)."""
+    """Gemma 3 270M (hybrid sliding-window), cached like SmolLM2 (~2.3 min on the first run)."""
     return models.gemma3_dir()

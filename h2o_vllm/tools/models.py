@@ -55,7 +55,7 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The Gemma 3 270M HF directory (base model, Gemma terms), built once (~2.5 min on 2 cores) if absent."""
+    """The Gemma 3 270M HF directory (base model, Gemma terms), built once (~2.3 min on 2 cores) if absent."""
     return _cached_build(GEMMA3_SUBDIR, _build_gemma3, cache_dir)
 
 
