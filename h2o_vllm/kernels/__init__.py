@@ -122,6 +122,19 @@ def check_weights(query_weight: torch.Tensor | None, num_tokens: int,
     return True
 
 
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device: torch.device) -> bool:
+    """Validate the optional sink logits (gpt-oss: one per query head, any float dtype, upcast
+    on load); True when the variant with sinks runs."""
+    if sinks is None:
+        return False
+    if (sinks.dim() != 1 or sinks.shape[0] != num_q_heads or not sinks.is_floating_point()
+            or sinks.device != device or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be [{num_q_heads}] (one logit per query head), a contiguous "
+                         f"float tensor on {device}; got {tuple(sinks.shape)} {sinks.dtype} on "
+                         f"{sinks.device}")
+    return True
+
+
 def check_tile(**tiles: int) -> None:
     for name, size in tiles.items():  # tl.dot needs power-of-two dims of at least 16
         if size < 16 or size & (size - 1):

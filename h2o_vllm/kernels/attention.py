@@ -19,8 +19,11 @@ over KV tiles. What it adds, per row kind (docs/cuda.md, "Fused attention"):
   K (the separate LSE pass of the unfused path is gone).
 
 Logit soft-capping (``softcap``, Gemma 2) applies to the logits before the softmax, as vLLM's
-kernel does; the scores are the capped softmax. Not supported (refused before an engine loads,
-see ``h2o_vllm.frontend.conflicts``, or by the caller): sliding window, ALiBi, sinks, quantised (fp8) caches, non-causal rows.
+kernel does; the scores are the capped softmax. Sink logits (``sinks``, gpt-oss: one per query
+head) join each softmax's denominator as in vLLM's kernel, which starts its running max and sum
+from them: the output and the scores are the model's, and the sink's share is nobody's score.
+Not supported (refused before an engine loads, see ``h2o_vllm.frontend.conflicts``, or by the
+caller): sliding window, ALiBi, quantised (fp8) caches, non-causal rows.
 Math: logits, softmax and the accumulator in fp32; Q.K and P.V as vLLM's kernel does them (the
 cache dtype's tensor-core dot, P cast to V's dtype), IEEE fp32 dots for an fp32 cache.
 """
@@ -30,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h2o_vllm.kernels import check_lens, check_paged, check_query, check_tile, check_weights
-from h2o_vllm.kernels.tiles import LOG2E, soft_cap
+from h2o_vllm.kernels import check_lens, check_paged, check_query, check_sinks, check_tile, check_weights
+from h2o_vllm.kernels.tiles import LOG2E, soft_cap, softmax_start
 
 
 @triton.jit
@@ -59,14 +62,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def h2o_attention_kernel(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-        lse, logits, decode_offsets, scores, query_weight, score_scale, scale_log2, cap_log2, num_rows,
+        lse, logits, decode_offsets, scores, query_weight, score_scale, sinks, scale_log2, cap_log2,
+        num_rows,
         stride_ot, stride_oh, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_bt, stride_lt, stride_lh, stride_gh,
         stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
         SCORE_TILE: tl.constexpr, IEEE: tl.constexpr, SCORES: tl.constexpr,
-        WEIGHTED: tl.constexpr, SOFTCAP: tl.constexpr):
+        WEIGHTED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = _find_row(query_start_loc, q_block, num_rows, BLOCK_Q)
@@ -93,8 +97,7 @@ def h2o_attention_kernel(
         dec_off = tl.load(decode_offsets + row)
         keep_logits = dec_off >= 0  # uniform per program: a branch, not a mask
         lg_row = logits + q_head.to(tl.int64)[:, None] * stride_gh + dec_off
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = softmax_start(sinks, q_head, m_mask, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     # Causal: no key of this block is past its last query.
     kv_end = ctx_len + tl.minimum((q_local + 1) * BLOCK_Q, q_len)
@@ -122,7 +125,8 @@ def h2o_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l_i >= 1 on live lanes (the max term is exp2(0))
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l_i >= 1 on live lanes (the max term, a key's
+    # or the sink's, is exp2(0))
     tl.store(out + tok[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              (acc / l_safe[:, None]).to(out.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
@@ -177,7 +181,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   decode_offsets: torch.Tensor | None = None, num_decode_keys: int = 0,
                   query_weight: torch.Tensor | None = None,
                   score_scale: torch.Tensor | None = None,
-                  softcap: float = 0.0, tile_n: int = 32, score_tile: int = 128) -> torch.Tensor | None:
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None, tile_n: int = 32,
+                  score_tile: int = 128) -> torch.Tensor | None:
     """out = causal paged attention of the batch; with ``scores``, also H2O's scores.
 
     query, out: [num_tokens, num_q_heads, head_size] packed by query_start_loc [num_rows + 1]
@@ -192,6 +197,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     token). Returns lse [num_tokens, num_q_heads] fp32 (natural log, causal) for the other
     rows, whose scores the caller adds with ``accumulate_prefill_scores_from_lse``; entries of
     decode rows are not written. Without scores: plain attention, returns None.
+    softcap > 0: the logits are soft-capped; sinks [num_q_heads] (any float dtype): each query
+    head's sink logit joins its softmax's denominator (the lse includes it).
     """
     _, block_size, num_kv_heads, head_size = check_paged("key_cache", key_cache, block_table,
                                                          scores)
@@ -205,6 +212,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         raise ValueError(f"out must be {tuple(query.shape)} {query.dtype}, contiguous in "
                          f"head_size; got {tuple(out.shape)} {out.dtype}")
     check_tile(tile_n=tile_n, score_tile=score_tile)
+    with_sinks = check_sinks(sinks, query.shape[1], key_cache.device)
     num_rows = query_start_loc.shape[0] - 1
     check_lens("query_start_loc", query_start_loc, num_rows + 1, key_cache.device)
     check_lens("seq_lens", seq_lens, num_rows, key_cache.device)
@@ -232,7 +240,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         unused if decode_offsets is None else decode_offsets,
         unused if scores is None else scores,
         query_weight if weighted else unused, score_scale if weighted else unused,
-        float(scale) * LOG2E, float(softcap) * LOG2E, num_rows,
+        sinks if with_sinks else unused, float(scale) * LOG2E, float(softcap) * LOG2E, num_rows,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -243,7 +251,7 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), TILE=tile_n, SCORE_TILE=score_tile,
         IEEE=key_cache.dtype == torch.float32, SCORES=scores is not None, WEIGHTED=weighted,
-        SOFTCAP=softcap > 0)
+        SOFTCAP=softcap > 0, SINKS=with_sinks)
     return lse
 
 

@@ -10,19 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
-from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_tile, check_weights,
-                              dot_precision)
-from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step, soft_cap
+from h2o_vllm.kernels import (check_lens, check_paged, check_query, check_sinks, check_tile,
+                              check_weights, dot_precision)
+from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step, soft_cap, softmax_start
 
 
 @triton.jit
 def prefill_lse_kernel(
-        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scale_log2, cap_log2,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, sinks, scale_log2,
+        cap_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr):
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     # One program per (row, KV head, tile of BLOCK_M (query, group head) pairs).
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -46,8 +46,7 @@ def prefill_lse_kernel(
     bt_row = block_table + row.to(tl.int64) * stride_bt
     last_tok = (tl.minimum(m0 + BLOCK_M, q_len * GROUP) - 1) // GROUP
     kv_end = ctx_len + last_tok + 1  # causal: no key of this tile is past the last query
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = softmax_start(sinks, q_head, m_mask, BLOCK_M, SINKS)
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
@@ -58,7 +57,8 @@ def prefill_lse_kernel(
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i = online_softmax_step(m_i, l_i, s)
-    # Natural-log LSE of the unscaled-by-log2e logits: lse = ln(sum_k exp(scale * q.k)).
+    # Natural-log LSE of the unscaled-by-log2e logits: lse = ln(sum_k exp(scale * q.k)
+    # [+ exp(sink)]).
     tl.store(lse + (q_start + tok).to(tl.int64) * stride_lt + q_head * stride_lh,
              (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_mask)
 
@@ -132,10 +132,13 @@ def accumulate_prefill_scores_kernel(
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                 query_start_loc: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float, *,
-                max_query_len: int | None = None, softcap: float = 0.0, block_m: int = 64,
+                max_query_len: int | None = None, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None, block_m: int = 64,
                 block_n: int = 64) -> torch.Tensor:
     """Per query and query head, ln(sum over visible keys of exp(scale * q . k)), causal
-    (with ``softcap`` > 0, of the capped logits ``softcap * tanh(scale * q . k / softcap)``).
+    (with ``softcap`` > 0, of the capped logits ``softcap * tanh(scale * q . k / softcap)``;
+    with ``sinks`` [num_q_heads], gpt-oss's sink logits, ``+ exp(sinks[head])`` in the sum:
+    the probabilities ``exp(logit - lse)`` are then the model's, the sink's share nobody's).
 
     Returns lse: [num_tokens, num_q_heads] fp32. Pass 1 of accumulate_prefill_scores.
     """
@@ -147,6 +150,7 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
     check_lens("kv_seq_lens", kv_seq_lens, num_rows, key_cache.device)
     if block_table.shape[0] < num_rows:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, need {num_rows}")
+    with_sinks = check_sinks(sinks, query.shape[1], key_cache.device)
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     if max_query_len is None:  # pass it (vLLM metadata has it) to avoid a device sync
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_rows else 0
@@ -154,13 +158,13 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
         return lse
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     prefill_lse_kernel[grid](
-        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, float(scale) * LOG2E,
-        float(softcap) * LOG2E,
+        query, key_cache, block_table, query_start_loc, kv_seq_lens, lse,
+        sinks if with_sinks else lse, float(scale) * LOG2E, float(softcap) * LOG2E,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_table.stride(0), lse.stride(0), lse.stride(1),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), SOFTCAP=softcap > 0)
+        DOT_PRECISION=dot_precision(key_cache.dtype), SOFTCAP=softcap > 0, SINKS=with_sinks)
     return lse
 
 
@@ -171,9 +175,11 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               query_weight: torch.Tensor | None = None,
                               score_scale: torch.Tensor | None = None,
                               first_scored: torch.Tensor | None = None, softcap: float = 0.0,
-                              block_m: int = 64, block_n: int = 64) -> None:
+                              sinks: torch.Tensor | None = None, block_m: int = 64,
+                              block_n: int = 64) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
-    group of the causal softmax(scale * q . K^T)[t].
+    group of the causal softmax(scale * q . K^T)[t] (soft-capped and with sinks as in
+    ``prefill_lse``).
 
     Weighted (both or neither, fp32): query_weight [num_tokens] indexed like query and
     score_scale [num_rows]; scores of every live t of a row become score_scale[row] * scores
@@ -193,7 +199,8 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     check_paged("key_cache", key_cache, block_table, scores)  # fail before any launch
     check_weights(query_weight, 0, score_scale, query_start_loc.shape[0] - 1, key_cache.device)
     lse = prefill_lse(query, key_cache, block_table, query_start_loc, kv_seq_lens, scale,
-                      max_query_len=max_query_len, softcap=softcap, block_m=block_m, block_n=block_n)
+                      max_query_len=max_query_len, softcap=softcap, sinks=sinks, block_m=block_m,
+                      block_n=block_n)
     accumulate_prefill_scores_from_lse(query, key_cache, block_table, query_start_loc,
                                        kv_seq_lens, lse, scores, scale, max_kv_len=max_kv_len,
                                        query_weight=query_weight, score_scale=score_scale,
@@ -214,7 +221,8 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
     """Pass 2 of accumulate_prefill_scores, given each (query, query head)'s causal
     log-sum-exp lse [num_tokens, num_q_heads] fp32 (natural log, indexed like query): from
     prefill_lse, or from the fused attention (``h2o_vllm.kernels.attention``), which computes
-    it anyway. One program per KV tile reads its K once; QK^T is computed once.
+    it anyway. One program per KV tile reads its K once; QK^T is computed once. Sink logits
+    (gpt-oss) need nothing here: they are in the lse.
 
     fresh_new_slots: the scores of this step's slots (each row's last q_len positions) are
     taken as 0 instead of read, so the caller need not zero them first (the fused path).

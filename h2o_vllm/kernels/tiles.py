@@ -41,6 +41,21 @@ def soft_cap(s, cap_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def softmax_start(sinks, q_head, mask, BLOCK: tl.constexpr, SINKS: tl.constexpr):
+    """The running (max, sum of exp2) an online softmax starts from, per query row: empty
+    (-inf, 0), or with the model's sink logit already in (gpt-oss: ``sinks`` one per query
+    head, any float dtype; ``(sink * log2(e), 1)``), so that the final sum is its softmax's
+    denominator while the sink owns no key. Masked rows start empty."""
+    if SINKS:
+        m_i = tl.load(sinks + q_head, mask=mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(mask, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK], tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def online_softmax_step(m_i, l_i, s):
     """One key tile of a running (max, sum of exp2) per query row: s [rows, keys] in log2 units,
     masked keys at -inf. Returns the updated (m_i, l_i)."""

@@ -30,10 +30,20 @@ def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
+def _with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """logits [kv_head, group, ..., keys] with each query head's sink logit appended as one
+    more key (gpt-oss; ``sinks`` [num_q_heads], None: none)."""
+    if sinks is None:
+        return logits
+    sink = sinks.float().view(logits.shape[0], logits.shape[1], *[1] * (logits.dim() - 2))
+    return torch.cat([logits, sink.expand(*logits.shape[:-1], 1)], dim=-1)
+
+
 def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
-               weight: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+               weight: torch.Tensor | None = None, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax of the q_len last positions of a row, summed over queries and group
-    (each query's probabilities times weight[query] when given).
+    (each query's probabilities times weight[query] when given; the sinks' share dropped).
 
     q: [q_len, num_q_heads, head_size] fp32; k: [kv_len, num_kv_heads, head_size] fp32;
     weight: [q_len] fp32. Returns [kv_len, num_kv_heads] fp32.
@@ -43,7 +53,8 @@ def _row_probs(q: torch.Tensor, k: torch.Tensor, scale: float,
     logits = _capped(torch.einsum("qhgd,khd->hgqk", q, k) * scale, softcap)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
     visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-    probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    logits = _with_sinks(logits.masked_fill(~visible, float("-inf")), sinks)
+    probs = logits.softmax(dim=-1)[..., :kv_len]
     if weight is not None:
         probs = probs * weight[:, None]
     return probs.sum(dim=(1, 2)).T
@@ -54,9 +65,9 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
                              scores: torch.Tensor, scale: float, *,
                              query_weight: torch.Tensor | None = None,
                              score_scale: torch.Tensor | None = None, softcap: float = 0.0,
-                             **_tiles: int) -> None:
+                             sinks: torch.Tensor | None = None, **_tiles: int) -> None:
     """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t]
-    (logits soft-capped first with softcap > 0).
+    (logits soft-capped first with softcap > 0; sinks [num_q_heads] in the denominator).
 
     query: [num_rows, num_q_heads, head_size], one decode query per row. Weighted (query_weight,
     score_scale [num_rows]): scores = score_scale[row] * scores + query_weight[row] * that sum.
@@ -64,13 +75,14 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     accumulate_prefill_scores(query, key_cache, block_table, query_start_loc, kv_seq_lens,
                               scores, scale, query_weight=query_weight, score_scale=score_scale,
-                              softcap=softcap)
+                              softcap=softcap, sinks=sinks)
 
 
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                 query_start_loc: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float,
-                softcap: float = 0.0, **_tiles: int) -> torch.Tensor:
-    """lse [num_tokens, num_q_heads] fp32: ln(sum over visible keys of exp(scale * q . k))."""
+                softcap: float = 0.0, sinks: torch.Tensor | None = None, **_tiles: int) -> torch.Tensor:
+    """lse [num_tokens, num_q_heads] fp32: ln(sum over visible keys of exp(scale * q . k)
+    [+ exp(sinks[head])])."""
     lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
     num_kv_heads = key_cache.shape[2]
     for row in range(query_start_loc.shape[0] - 1):
@@ -82,6 +94,9 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, num_kv_heads, -1, 1).expand(q_len, -1, -1, 1)
+            logits = torch.cat([logits, sink], dim=-1)
         lse[start:end] = logits.logsumexp(dim=-1).reshape(q_len, -1)
     return lse
 
@@ -92,7 +107,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               query_weight: torch.Tensor | None = None,
                               score_scale: torch.Tensor | None = None,
                               first_scored: torch.Tensor | None = None, softcap: float = 0.0,
-                              **_tiles: int) -> None:
+                              sinks: torch.Tensor | None = None, **_tiles: int) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t]; kv_seq_lens includes this step's tokens.
 
@@ -113,7 +128,7 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
             continue
         k, blk, off = _row_keys(key_cache, block_table, row, kv_len)
         weight = None if query_weight is None else query_weight[start:end]
-        col = _row_probs(query[start:end].float(), k, scale, weight, softcap)  # [kv_len, num_kv_heads]
+        col = _row_probs(query[start:end].float(), k, scale, weight, softcap, sinks)  # [kv_len, num_kv_heads]
         heads = torch.arange(k.shape[1], device=k.device)
         index = (blk[:, None], heads[None, :], off[:, None])
         if score_scale is not None:  # live slots of one row are distinct: no slot scaled twice

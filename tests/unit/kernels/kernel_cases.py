@@ -79,6 +79,12 @@ def make_weights(q_lens, seed=3):
     return weight.to(DEVICE), score_scale.to(DEVICE)
 
 
+def make_sinks(num_q_heads, seed=4):
+    """gpt-oss-like sink logits, large enough to take a sizeable share of each softmax."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_q_heads, generator=g) + 2.0).to(DEVICE)
+
+
 def int32(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
@@ -89,9 +95,10 @@ def dense_row_keys(key_cache, block_table, row, kv_len):
                         for t in range(kv_len)]).float()  # [kv_len, heads, head_size]
 
 
-def dense_scores(query, keys, q_lens, kv_lens, group, scale, weight=None):
+def dense_scores(query, keys, q_lens, kv_lens, group, scale, weight=None, sinks=None):
     """Per row, [kv_len, kv_heads] column sums of the causal softmax, one query head at a time
-    (each query's softmax times weight[query] when given), fp64."""
+    (each query's softmax times weight[query] when given; with sinks [num_q_heads], each head's
+    sink logit is one more entry of its softmax, dropped after), fp64."""
     out, start = [], 0
     for k, q_len, kv_len in zip(keys, q_lens, kv_lens):
         col = torch.zeros(kv_len, k.shape[1], dtype=torch.float64)
@@ -100,7 +107,9 @@ def dense_scores(query, keys, q_lens, kv_lens, group, scale, weight=None):
             w = 1.0 if weight is None else float(weight[start + j])
             for h in range(query.shape[1]):
                 logits = (k[:pos + 1, h // group].double() @ query[start + j, h].double()) * scale
-                col[:pos + 1, h // group] += w * torch.softmax(logits, dim=0)
+                if sinks is not None:
+                    logits = torch.cat([logits, sinks[h].double().view(1)])
+                col[:pos + 1, h // group] += w * torch.softmax(logits, dim=0)[:pos + 1]
         out.append(col)
         start += q_len
     return out

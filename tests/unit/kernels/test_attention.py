@@ -8,7 +8,7 @@ schedules in one step: a prefill chunk over earlier keys, a fresh prompt, decode
 ragged lengths, a one-key row.
 """
 from kernel_cases import (DEVICE, INTERPRETED, NUM_KV_HEADS, int32, make_cache,  # isort: skip
-                          make_query, make_weights, shape_ids, vllm_unified_attention)
+                          make_query, make_sinks, make_weights, shape_ids, vllm_unified_attention)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -54,7 +54,7 @@ def batch(head_size, group, block_size, dtype):
 
 
 def fused_scores(query, key_cache, value_cache, block_table, query_start_loc, q_lens, kv_lens,
-                 scores, scale, weights, softcap=0.0):
+                 scores, scale, weights, softcap=0.0, sinks=None):
     """What TritonOps.attend does: the fused kernel, then the prefill rows' pass from its LSE.
     Returns the attention output."""
     out = torch.empty_like(query)
@@ -62,7 +62,7 @@ def fused_scores(query, key_cache, value_cache, block_table, query_start_loc, q_
     lse = attention.h2o_attention(query, key_cache, value_cache, out, block_table,
                                   query_start_loc, int32(kv_lens), scale, scores=scores,
                                   decode_offsets=offsets.to(DEVICE), num_decode_keys=num_keys,
-                                  softcap=softcap, tile_n=16, score_tile=16, **weights)
+                                  softcap=softcap, sinks=sinks, tile_n=16, score_tile=16, **weights)
     starts = query_start_loc.tolist()
     rows = [r for r, n in enumerate(q_lens) if n > 1]
     tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(DEVICE)
@@ -111,31 +111,35 @@ def test_fused_attention_is_vllm_attention_plus_unfused_scores(head_size, group,
     assert not torch.equal(got, scores)
 
 
-def test_soft_capped_fused_attention_is_vllm_attention_plus_capped_scores():
-    """Gemma 2's soft-cap in the fused kernel: the output is vLLM's soft-capped attention, the
-    scores the capped softmax (decode rows from the kernel's kept logits, prefill rows from its
-    LSE); a cap of 1.5 bites on these logits."""
-    head_size, group, block_size, dtype, cap = 64, 3, 16, torch.float32, 1.5
+@pytest.mark.parametrize("cap,with_sinks", [(1.5, False), (0.0, True), (1.5, True)],
+                         ids=["softcap", "sinks", "softcap-sinks"])
+def test_shaped_fused_attention_is_vllm_attention_plus_the_models_scores(cap, with_sinks):
+    """Gemma 2's soft-cap and gpt-oss's sink logits in the fused kernel: the output is vLLM's
+    attention with the same cap and sinks, the scores the model's softmax (decode rows from the
+    kernel's kept logits, prefill rows from its LSE); a cap of 1.5 and these sinks bite."""
+    head_size, group, block_size, dtype = 64, 3, 16, torch.float32
     q_lens, kv_lens, key_cache, value_cache, scores, block_table, query, qsl = batch(
         head_size, group, block_size, dtype)
     scale = head_size ** -0.5
+    sinks = make_sinks(query.shape[1]) if with_sinks else None
     want_out = torch.empty_like(query)
     vllm_unified_attention()(
         q=query, k=torch.nan_to_num(key_cache), v=value_cache, out=want_out, cu_seqlens_q=qsl,
         max_seqlen_q=max(q_lens), seqused_k=int32(kv_lens), max_seqlen_k=max(kv_lens),
         softmax_scale=scale, causal=True, window_size=(-1, -1), block_table=block_table,
-        softcap=cap, q_descale=None, k_descale=None, v_descale=None)
+        softcap=cap, q_descale=None, k_descale=None, v_descale=None, sinks=sinks)
     want = scores.clone()
     for row, (q_len, kv_len) in enumerate(ROWS):
         pos = torch.arange(kv_len - q_len, kv_len)
         want[block_table[row, pos // block_size].long(), :, pos % block_size] = 0.0
-    uncapped = want.clone()
-    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want, scale, softcap=cap)
-    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), uncapped, scale)
-    assert not torch.allclose(want, uncapped, **SCORE_TOL[dtype])
+    plain = want.clone()
+    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want, scale,
+                                    softcap=cap, sinks=sinks)
+    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), plain, scale)
+    assert not torch.allclose(want, plain, **SCORE_TOL[dtype])
     got = scores.clone()
     out = fused_scores(query, key_cache, value_cache, block_table, qsl, q_lens, kv_lens, got,
-                       scale, {}, softcap=cap)
+                       scale, {}, softcap=cap, sinks=sinks)
     torch.testing.assert_close(out, want_out, **OUT_TOL[dtype])
     torch.testing.assert_close(got, want, **SCORE_TOL[dtype])
 

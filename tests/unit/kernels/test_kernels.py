@@ -7,7 +7,7 @@ CUDA machine to run the same tests compiled on the GPU. Each score op is checked
 """
 from kernel_cases import (DEVICE, INTERPRETED, NUM_KV_HEADS, SHAPE_IDS, SHAPES, TOL,  # isort: skip
                           dense_row_keys, dense_scores, int32, make_cache, make_query,
-                          make_weights)
+                          make_sinks, make_weights)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -98,6 +98,35 @@ def test_soft_capped_scores_match_torch(decode):
     twin(*args, uncapped, scale)
     assert not torch.allclose(expected, uncapped, **TOL[dtype])
     kernel(*args, scores, scale, softcap=cap, block_n=16)
+    torch.testing.assert_close(scores, expected, **TOL[dtype])
+
+
+@WEIGHTED
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_scores_with_sink_logits_match_torch(decode, weighted):
+    """gpt-oss's sink logits: each query head's sink joins its softmax's denominator (the
+    sinks take a sizeable share here: the scores without them differ). bf16 sinks, as a bf16
+    model stores them, are upcast on load."""
+    head_size, group, block_size, dtype = 64, 3, 16, torch.float32
+    q_lens, kv_lens = ([1] * 3, [5, 100, 37]) if decode else zip(*PREFILL_ROWS)
+    key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
+    query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
+    sinks, scale = make_sinks(NUM_KV_HEADS * group).bfloat16(), head_size ** -0.5
+    weights = weights_of(weighted, q_lens)
+    if decode:
+        args = (query, key_cache, block_table, int32(kv_lens))
+        kernel, twin = decode_scores.accumulate_decode_scores, twins.accumulate_decode_scores
+    else:
+        args = (query, key_cache, block_table, int32([0] + torch.tensor(q_lens).cumsum(0).tolist()),
+                int32(kv_lens))
+        kernel, twin = prefill_scores.accumulate_prefill_scores, twins.accumulate_prefill_scores
+        torch.testing.assert_close(prefill_scores.prefill_lse(*args, scale, sinks=sinks, block_m=16, block_n=16),
+                                   twins.prefill_lse(*args, scale, sinks=sinks), rtol=1e-5, atol=1e-4)
+    expected, sinkless = scores.clone(), scores.clone()
+    twin(*args, expected, scale, sinks=sinks, **weights)
+    twin(*args, sinkless, scale, **weights)
+    assert not torch.allclose(expected, sinkless, **TOL[dtype])
+    kernel(*args, scores, scale, sinks=sinks, block_n=16, **weights)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
 
@@ -201,28 +230,32 @@ def test_compact_rows_matches_torch(head_size, group, block_size, dtype, layout)
 
 # ---- torch twins vs dense math ----------------------------------------------------------------
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 @WEIGHTED
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-def test_reference_scores_match_dense_softmax(decode, weighted):
+def test_reference_scores_match_dense_softmax(decode, weighted, with_sinks):
     """Twins vs the dense formula: s(t) <- score_scale[row] * s(t) + sum_q query_weight[q] * p_q(t)
-    over the live t of each row (unweighted: factor 1, weights 1); every other slot unchanged."""
+    over the live t of each row (unweighted: factor 1, weights 1); every other slot unchanged.
+    With sinks, p_q is the softmax with each head's sink logit as one more entry, dropped."""
     head_size, group, block_size = 16, 2, 4
     q_lens, kv_lens = ([1, 1, 1], [3, 9, 6]) if decode else ([3, 4, 6], [3, 9, 6])
     key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, torch.float32)
     query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, torch.float32)
     weights = weights_of(weighted, q_lens)
+    sinks = make_sinks(NUM_KV_HEADS * group) if with_sinks else None
     before = scores.clone()
     if decode:
         twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
-                                       0.3, **weights)
+                                       0.3, sinks=sinks, **weights)
     else:
         query_start_loc = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
         twins.accumulate_prefill_scores(query, key_cache, block_table, query_start_loc,
-                                        int32(kv_lens), scores, 0.3, **weights)
+                                        int32(kv_lens), scores, 0.3, sinks=sinks, **weights)
     keys = [dense_row_keys(key_cache, block_table, r, n) for r, n in enumerate(kv_lens)]
     weight = weights["query_weight"].cpu() if weighted else torch.ones(sum(q_lens))
     factor = weights["score_scale"].cpu() if weighted else torch.ones(len(q_lens))
-    dense = dense_scores(query.cpu(), [k.cpu() for k in keys], q_lens, kv_lens, group, 0.3, weight)
+    dense = dense_scores(query.cpu(), [k.cpu() for k in keys], q_lens, kv_lens, group, 0.3, weight,
+                         None if sinks is None else sinks.cpu())
     touched = torch.zeros_like(scores, dtype=torch.bool)
     starts = [0] + torch.tensor(q_lens).cumsum(0).tolist()
     for row, (col, n) in enumerate(zip(dense, kv_lens)):
@@ -232,9 +265,13 @@ def test_reference_scores_match_dense_softmax(decode, weighted):
             torch.testing.assert_close(scores[blk, :, off], want.float().to(DEVICE),
                                        rtol=1e-5, atol=1e-6)
             touched[blk, :, off] = True
-        # Each query's probabilities sum to 1: the column sums add up to sum_q w_q * num_q_heads.
+        # Each query's probabilities sum to 1: the column sums add up to sum_q w_q * num_q_heads
+        # (less, with sinks: their share is nobody's).
         total = float(weight[starts[row]:starts[row + 1]].double().sum()) * NUM_KV_HEADS * group
-        assert col.sum().item() == pytest.approx(total)
+        if with_sinks:
+            assert col.sum().item() < total or total == 0
+        else:
+            assert col.sum().item() == pytest.approx(total)
     assert torch.equal(scores[~touched], before[~touched])
 
 
@@ -277,6 +314,8 @@ def test_launchers_reject_bad_inputs():
     with pytest.raises(ValueError, match="keep_idx must be"):
         compact_kernels.compact_rows(key_cache, value_cache, scores, block_table, int32([0]),
                                      torch.zeros(1, 1, 4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="sinks must be \\[2\\]"):  # one per query head, not per KV head
+        decode(query, key_cache, block_table, lens, scores, 1.0, sinks=torch.ones(1, device=DEVICE))
     ones = torch.ones(1, device=DEVICE)
     with pytest.raises(ValueError, match="give both or neither"):
         decode(query, key_cache, block_table, lens, scores, 1.0, query_weight=ones)
