@@ -83,9 +83,6 @@ def check_model(model_config: Any) -> None:
     if odd_layers:
         refuse(f"layer_types {odd_layers}", "H2O evicts from full-attention layers and leaves "
                "sliding-window layers to vLLM's window; layers of another kind are not supported")
-    if getattr(hf, "model_type", None) == "gpt_oss" or any(
-            "GptOss" in a for a in getattr(model_config, "architectures", None) or ()):
-        refuse("attention sinks (gpt-oss)", "the learned sink logits are left out of H2O's scores")
 
 
 #: HF ``layer_types`` names of the layers H2O evicts from, and of those it leaves to vLLM's window.

@@ -242,12 +242,21 @@ TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
     # parallel residual.
     "opt": ("OPTConfig", "OPTForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "use_parallel_residual": True}),
+    # Learned sink logits in every softmax, mixture-of-experts MLPs, YaRN RoPE, and hybrid like
+    # gemma3 (vLLM and transformers both slide the even layers).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"sliding_window": 24, "num_local_experts": 4,
+                                                     "num_experts_per_tok": 2}),
 }
 
 #: Families that multiply embeddings by sqrt(hidden_size) and tie the output head (Gemma): at
 #: the common init each token's own embedding outweighs everything attention adds, so every
 #: greedy step repeats the input token whatever is evicted. Their embeddings are shrunk by this.
 _EMBED_SHRINK = {"gemma2": 0.1, "gemma3": 0.1}
+
+#: Families with learned attention-sink logits (gpt-oss), drawn from N(mean, std) instead of
+#: the common init's ~0.02, which next to logits of std ~5 takes no share of any softmax: a
+#: sink left out of the scores or the output would go unseen.
+_SINK_INIT = {"gpt_oss": (4.0, 1.0)}
 
 def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, intermediate_size: int, vocab_size: int, init_std: float,
@@ -315,6 +324,10 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(transformers, model_class)(config)
+        if family in _SINK_INIT:
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.sinks.normal_(*_SINK_INIT[family])
     if family in _EMBED_SHRINK:
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(_EMBED_SHRINK[family])

@@ -44,15 +44,14 @@ def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
 
 
 def check_fusable(impl, quantised_cache: bool) -> None:
-    """H2O's attention computes causal softmax attention (soft-capped where the model caps)
-    over an unquantised cache; a layer (``impl``, vLLM's attention impl) with anything else
+    """H2O's attention computes causal softmax attention (soft-capped where the model caps,
+    with the model's sink logits where it has them) over an unquantised cache; a layer (``impl``, vLLM's attention impl) with anything else
     would get wrong outputs or scores. The devices differ only in how they store the cache
     dtype. The engine-args checks (h2o_vllm.frontend.conflicts, cuda_config) refuse these before
     the model loads; this is the backstop for a layer that slips through. (Sliding-window
     layers never get here: ``H2OImplMixin`` leaves them to vLLM.)"""
     unsupported = {
         "ALiBi": impl.alibi_slopes is not None,
-        "attention sinks": impl.sinks is not None,
         f"quantised KV cache {impl.kv_cache_dtype}": quantised_cache,
         f"attention type {impl.attn_type}": impl.attn_type != AttentionType.DECODER,
     }
@@ -134,7 +133,7 @@ class H2OImplMixin:
                             output_scale, output_block_scale)
         mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
                                          self.records, accumulated=self.fuses_scores,
-                                         softcap=self.logits_soft_cap)
+                                         softcap=self.logits_soft_cap, sinks=self.sinks)
         if mass is not None:
             self._mass.push(mass)
         return output

@@ -80,11 +80,12 @@ class DeviceOps(Protocol):
         """Per-step indices the device's accumulate reads in every layer (or None)."""
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: Any, scores: torch.Tensor,
-                   scale: float, softcap: float = 0.0) -> None:
+                   scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
         """Add this step's softmax probabilities, summed over each KV head's query group; on a
         weighted step, first scale each row's live scores by step.score_scale[row] and weight
-        each query's probabilities by step.query_weight[token]. softcap > 0: the layer's
-        logits are soft-capped before the softmax (the model's own attention, Gemma 2)."""
+        each query's probabilities by step.query_weight[token]. The probabilities are the
+        model's own attention: softcap > 0 soft-caps the logits before the softmax (Gemma 2);
+        sinks [num_q_heads] puts each head's sink logit in its denominator (gpt-oss)."""
 
     def compact(self, views: Any, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:
@@ -221,7 +222,8 @@ def scoring_step(step: H2OStep) -> H2OStep:
 def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor, views: Any,
                               scores: torch.Tensor, scale: float,
                               records: torch.Tensor | None = None, *,
-                              accumulated: bool = False, softcap: float = 0.0) -> torch.Tensor | None:
+                              accumulated: bool = False, softcap: float = 0.0,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (decayed and
     weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -238,10 +240,10 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     if not accumulated:
         zero_new_slots(step, scores)
         prepare_scores(step, scores, records)
-        ops.accumulate(scoring_step(step), query, views, scores, scale, softcap)
+        ops.accumulate(scoring_step(step), query, views, scores, scale, softcap, sinks)
     if prefix is not None:
         for phase, snap in zip(prefix.phases, prefix.snapshots):
-            ops.accumulate(phase, query, views, scores, scale, softcap)
+            ops.accumulate(phase, query, views, scores, scale, softcap, sinks)
             prefix_cache.snapshot(snap, scores, records)
         prefix_cache.relocate(prefix, views, scores)
     if not step.due:

@@ -1,14 +1,14 @@
 """The architecture matrix: a tiny random model of every family in ``models.TINY_FAMILIES``
 generates with H2O what the dense oracle does, token for token, under the paper's H2O and the
 recommended score mode (observation window + pooling), on the CPU path and on the CUDA path
-under the switch (``H2O_VLLM_TRITON_ON_CPU=1``, Triton interpreted; the hybrid Gemma 3 on
-Model Runner V2, the others on V1); after every step each
+under the switch (``H2O_VLLM_TRITON_ON_CPU=1``, Triton interpreted; the hybrid Gemma 3 and
+gpt-oss on Model Runner V2, the others on V1); after every step each
 running request's block list agrees with the scheduler's count, and the pool drains.
 
 The oracle runs each family through its own transformers forward with H2O's attention
 installed (``h2o_vllm/oracle/model.py``), so what the families differ in (RoPE, partial rotary
 or learned positions, qk-norm, projection biases, fused projections, a parallel residual, MHA
-or GQA, soft-capped logits) is checked against code that shares nothing with vLLM's. Llama's
+or GQA, soft-capped logits, learned sink logits, mixture-of-experts MLPs) is checked against code that shares nothing with vLLM's. Llama's
 full budget matrix is test_exactness.py's and test_cuda.py's; the families here run two layers
 (the interpreter's cost grows with every layer).
 """
@@ -34,13 +34,13 @@ ENGINE = dict(in_process=True, block_size=BLOCK, max_model_len=256, max_num_batc
               max_num_seqs=8, num_gpu_blocks_override=20, additional_config={"h2o": {}})
 # A hybrid model's sliding-window group takes its own blocks from the same pool: a pool as
 # tight as the others' serialises the requests and evicts every prefix before it is reused.
-POOL = {"gemma3": 40}
+POOL = {"gemma3": 40, "gpt_oss": 40}
 CUDA_SWITCH = {SWITCH: "1", V2_ENV: "0"}
 IMPLS = {"cpu": "H2OCPUImpl", "cuda": "H2OTritonImpl", "cuda-v2": "H2OTritonImpl"}
-# The hybrid model's CUDA path runs on Model Runner V2 (CUDA's default runner; on the CPU vLLM
+# The hybrid models' CUDA path runs on Model Runner V2 (CUDA's default runner; on the CPU vLLM
 # runs V2 only with Triton, so only the switch reaches it), with its own per-group block
-# tables; its V1 runner hooks are the CPU path's.
-V2_FAMILIES = ["gemma3"]
+# tables; their V1 runner hooks are the CPU path's.
+V2_FAMILIES = ["gemma3", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")

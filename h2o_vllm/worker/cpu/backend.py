@@ -91,4 +91,4 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
             self.stock_forward(layer, query[tokens], kv_cache, attn_metadata.decode, decode_out,
                                output_scale, output_block_scale)
             out[tokens] = decode_out
-        self.ops.attend(step, query, views, out, scores, self.scale, self.logits_soft_cap)
+        self.ops.attend(step, query, views, out, scores, self.scale, self.logits_soft_cap, self.sinks)

@@ -29,32 +29,34 @@ class CPUOps:
                             weighted=step.score_scale is not None)
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
-               scores: torch.Tensor, scale: float, softcap: float = 0.0) -> None:
+               scores: torch.Tensor, scale: float, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> None:
         """The prefill rows' attention output into ``out`` and the step's scores (new slots
         zeroed first), after vLLM's kernel has attended the decode rows alone. Replaces the
         zeroing and ``accumulate`` in ``update_scores_and_compact``.
         query, out: [>= num_tokens, num_q_heads, head_size]."""
         zero_new_slots(step, scores)
-        self._decode_scores(step, query, views, scores, scale, softcap)
-        self._prefill_rows(step, query, views, scores, scale, out, softcap)
+        self._decode_scores(step, query, views, scores, scale, softcap, sinks)
+        self._prefill_rows(step, query, views, scores, scale, out, softcap, sinks)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,
-                   scores: torch.Tensor, scale: float, softcap: float = 0.0) -> None:
-        self._decode_scores(step, query, views, scores, scale, softcap)
-        self._prefill_rows(step, query, views, scores, scale, None, softcap)
+                   scores: torch.Tensor, scale: float, softcap: float = 0.0,
+                   sinks: torch.Tensor | None = None) -> None:
+        self._decode_scores(step, query, views, scores, scale, softcap, sinks)
+        self._prefill_rows(step, query, views, scores, scale, None, softcap, sinks)
 
     def _decode_scores(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
-                       softcap: float) -> None:
+                       softcap: float, sinks: torch.Tensor | None) -> None:
         if step.device_index is None:
             return
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         tokens, rows = step.decode_tokens, step.decode_rows
         accumulate_decode_scores_at(query[tokens], views.key_blocks, scores, step.device_index, scale,
                                     None if weights is None else weights[tokens],
-                                    None if factors is None else factors[rows], softcap)
+                                    None if factors is None else factors[rows], softcap, sinks)
 
     def _prefill_rows(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
-                      out: torch.Tensor | None, softcap: float) -> None:
+                      out: torch.Tensor | None, softcap: float, sinks: torch.Tensor | None) -> None:
         """Scores of the rows with several queries, and their attention output unless out is None."""
         if step.prefill_rows is None:
             return
@@ -68,7 +70,7 @@ class CPUOps:
                               None if out is None else out[tokens],
                               None if weights is None else weights[tokens],
                               None if factors is None else factors[row],
-                              0 if firsts is None else firsts[i], softcap)
+                              0 if firsts is None else firsts[i], softcap, sinks)
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

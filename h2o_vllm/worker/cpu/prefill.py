@@ -31,7 +31,7 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
                       scores: torch.Tensor, blocks: torch.Tensor, kv_seq_len: int, scale: float,
                       out: torch.Tensor | None = None, query_weight: torch.Tensor | None = None,
                       score_scale: torch.Tensor | None = None, first_scored: int = 0,
-                      softcap: float = 0.0) -> None:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """One row: ``query`` [q_len, num_heads, head_size] sits at the row's last q_len KV
     positions and attends causally over its first ``kv_seq_len`` keys.
 
@@ -43,7 +43,9 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
     score_scale the row's factor (0-dim): scores = score_scale * scores + sum_i w_i * p_i.
     first_scored: queries before it weigh 0 (``H2OStep.prefill_first_scored``); without out
     they are not computed at all. softcap > 0: the logits are soft-capped before the softmax
-    (``softcap * tanh(logits / softcap)``, Gemma 2), as vLLM's kernels do.
+    (``softcap * tanh(logits / softcap)``, Gemma 2), as vLLM's kernels do. sinks [num_heads]
+    (gpt-oss): each query head's sink logit joins its softmax's max and denominator, as in
+    vLLM's kernels; it owns no key, so its share is in neither the output nor the scores.
     """
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
@@ -59,6 +61,7 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
             as_fp32(value_blocks[blocks]).permute(2, 0, 1, 3).reshape(num_kv_heads, -1, head_size))
         q = (as_fp32(query) * scale).view(q_len, num_kv_heads, group, head_size).transpose(0, 1)
         causal = torch.ones(TILE, TILE, dtype=torch.bool).triu_(1)[None, :, None, :]
+        sink = None if sinks is None else as_fp32(sinks).view(num_kv_heads, 1, group)
         for s in range(start, q_len, TILE):
             e = min(q_len, s + TILE)
             n, end = e - s, first + e  # queries in the tile, keys they reach
@@ -67,8 +70,14 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
             soft_cap_(probs, softcap)
             diagonal = probs.view(num_kv_heads, n, group, end)[..., end - n:]
             diagonal.masked_fill_(causal[:, :n, :, :n], float("-inf"))
-            probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
-            inv_sum = probs.sum(dim=-1, keepdim=True).reciprocal_()     # [Hkv, n * G, 1]
+            if sink is None:
+                probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
+                inv_sum = probs.sum(dim=-1, keepdim=True).reciprocal_()  # [Hkv, n * G, 1]
+            else:
+                tile_sink = sink.expand(num_kv_heads, n, group).reshape(num_kv_heads, n * group, 1)
+                top = torch.maximum(probs.amax(dim=-1, keepdim=True), tile_sink)
+                probs.sub_(top).exp_()
+                inv_sum = probs.sum(dim=-1, keepdim=True).add_((tile_sink - top).exp_()).reciprocal_()
             if out is not None:
                 tile_out = torch.matmul(probs, values[:, :end]).mul_(inv_sum)
                 out[s:e] = tile_out.view(num_kv_heads, n, group, head_size).transpose(0, 1).reshape(

@@ -66,21 +66,25 @@ def scale_blocks(scores: torch.Tensor, blocks: torch.Tensor, factor: torch.Tenso
 def accumulate_decode_scores(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
                              block_table: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float,
                              query_weight: torch.Tensor | None = None,
-                             score_scale: torch.Tensor | None = None, softcap: float = 0.0) -> None:
+                             score_scale: torch.Tensor | None = None, softcap: float = 0.0,
+                             sinks: torch.Tensor | None = None) -> None:
     """One query per row, all rows at once. query: [R, num_heads, head_size]; block_table:
     [R, max_blocks]; kv_seq_lens: [R] int64. key_blocks: [num_blocks, num_kv_heads,
     head_size, block_size]; scores: [num_blocks, num_kv_heads, block_size] fp32.
     Weighted (both or neither, [R] fp32): scores = score_scale[row] * scores
-    + query_weight[row] * probs.
+    + query_weight[row] * probs. softcap > 0: the logits are soft-capped first; sinks
+    [num_heads] (gpt-oss): each query head's sink logit is in its softmax's denominator.
     """
     index = decode_index(block_table, kv_seq_lens, key_blocks.shape[3], score_scale is not None)
-    accumulate_decode_scores_at(query, key_blocks, scores, index, scale, query_weight, score_scale, softcap)
+    accumulate_decode_scores_at(query, key_blocks, scores, index, scale, query_weight, score_scale,
+                                softcap, sinks)
 
 
 def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
                                 index: DecodeIndex, scale: float,
                                 query_weight: torch.Tensor | None = None,
-                                score_scale: torch.Tensor | None = None, softcap: float = 0.0) -> None:
+                                score_scale: torch.Tensor | None = None, softcap: float = 0.0,
+                                sinks: torch.Tensor | None = None) -> None:
     """``accumulate_decode_scores`` with the step's ``DecodeIndex`` already built (with
     ``weighted=True`` when score_scale is given).
 
@@ -98,7 +102,12 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
     soft_cap_(logits, softcap)
     logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
     logits.masked_fill_(index.padding, float("-inf"))
-    probs = logits.softmax(dim=-1).sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)
+    if sinks is None:
+        probs = logits.softmax(dim=-1)
+    else:  # the sink is one more entry of each softmax, and nobody's score
+        sink = as_fp32(sinks).view(1, num_kv_heads, -1, 1).expand(num_rows, -1, -1, 1)
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    probs = probs.sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)
     if score_scale is not None:
         if index.live_blocks is None:
             raise ValueError("a weighted decode step needs decode_index(..., weighted=True)")

@@ -94,7 +94,7 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
             raise NotImplementedError("H2O's fused attention is causal only (no per-sequence "
                                       "causality, no bidirectional multimodal prefixes)")
         self.ops.attend(step, query, views, output, scores, self.scale,
-                        attn_metadata.query_start_loc, self.logits_soft_cap)
+                        attn_metadata.query_start_loc, self.logits_soft_cap, self.sinks)
 
     def fused_rope_kvcache_supported(self) -> bool:
         return False if self.h2o is not None else super().fused_rope_kvcache_supported()

@@ -112,8 +112,6 @@ def test_settings_vllm_derived_are_refused_too(overrides, setting):
     (_model(use_mla=True), "MLA"),
     (_model(uses_alibi=True), "ALiBi"),
     (_model(hf={"layer_types": ["full_attention", "chunked_attention"]}), "chunked_attention"),
-    (_model(hf={"model_type": "gpt_oss"}), "attention sinks"),
-    (_model(architectures=["GptOssForCausalLM"]), "attention sinks"),
 ])
 def test_models_h2o_cannot_handle_are_refused(model, words):
     message = _refusal(conflicts.check_model, model)
