@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m h2o_vllm.tools.demo
 
+# One pytest worker per core, each test file whole on one worker (its module-scoped engines are
+# started once): most of the suite's time is single-threaded (engine start-up, interpreted Triton).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from typing import Iterator
 
 DIR_ENV = "H2O_VLLM_METRICS_DIR"
@@ -161,6 +162,21 @@ class H2OCollector:
 
 
 _collector: H2OCollector | None = None
+_registries: weakref.WeakSet = weakref.WeakSet()  # the served registries holding one
+
+
+def register_collector(registry) -> None:
+    """H2O's collector in ``registry``, once. With one API server /metrics serves the global
+    registry, where ``setup_process0`` put it; with ``--api-server-count`` > 1 each API server
+    serves Prometheus multiprocess registries of its own (the hook on ``MultiProcessCollector``
+    calls this for each), and the collector there reads the same writers' files (their
+    directory is inherited from process 0), so every server shows the same totals."""
+    from prometheus_client import REGISTRY
+    directory = os.environ.get(DIR_ENV)
+    if registry is REGISTRY or registry in _registries or not directory:
+        return
+    _registries.add(registry)
+    registry.register(H2OCollector(directory))
 
 
 def setup_process0() -> None:

@@ -15,6 +15,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's test command runs one worker per core, whole files per
+# worker), each worker and the engines it starts keep to one core of their own: vLLM's CPU
+# workers bind their OpenMP threads to every core by default, and two engines spinning on the
+# same cores run slower than one after the other. (Tests that need two cores, tensor parallel,
+# bind their ranks themselves.)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _core = sorted(os.sched_getaffinity(0))[int(_WORKER.removeprefix("gw")) % len(os.sched_getaffinity(0))]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_core))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 from h2o_vllm.tools import models
 
 

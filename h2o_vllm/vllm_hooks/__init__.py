@@ -110,8 +110,12 @@ and version-guard helpers every hook module uses.
 - Metrics: ``install_scheduler_hook`` also wraps ``Scheduler.schedule`` and records from it
   and from the ``update_from_output`` hook above (engine core: freed blocks, live KV tokens
   read from the H2O managers); ``install_metrics_hooks`` wraps ``LoggingStatLogger.log``
-  (process 0: one INFO line beside vLLM's periodic stats). The worker side records in the
-  runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry plugin stats.
+  (process 0: one INFO line beside vLLM's periodic stats) and prometheus_client's
+  ``MultiProcessCollector.__init__``: with ``--api-server-count`` > 1 each API server serves
+  multiprocess registries of its own (vLLM's, and one the instrumentator builds for each
+  scrape), which get H2O's collector too. The worker side records
+  in the runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry
+  plugin stats.
 - ``install_triton_on_cpu`` (module ``triton_on_cpu``), only with ``H2O_VLLM_TRITON_ON_CPU=1``,
   in every process: imports vLLM's Triton attention op modules with the real ``triton`` /
   ``tl`` swapped into ``vllm.triton_utils`` (reloading any defined earlier with the

@@ -152,8 +152,21 @@ def _hybrid_hit(kv_cache_manager, managers, request, blocks, num_tokens: int, bo
 
 
 def install_metrics_hooks() -> None:
-    """Process 0: the periodic INFO line (the engine core records from the hooks above)."""
+    """Process 0: the periodic INFO line (the engine core records from the hooks above). API
+    servers of ``--api-server-count`` > 1: H2O's collector beside every Prometheus
+    multiprocess collector, since those registries are what /metrics serves there (vLLM's,
+    and the one the instrumentator builds afresh for each scrape)."""
     _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
+    _wrap("prometheus_client.multiprocess:MultiProcessCollector.__init__", _multiprocess_wrapper)
+
+
+def _multiprocess_wrapper(original):
+    def __init__(self, registry, path=None):
+        original(self, registry, path)
+        if registry is not None:
+            from h2o_vllm import metrics
+            metrics.register_collector(registry)
+    return __init__
 
 
 def _stats_log_wrapper(original):

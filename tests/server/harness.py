@@ -1,6 +1,7 @@
 """Server-tier harness: `h2o-vllm serve` as a subprocess on 127.0.0.1, one per test module."""
 import glob
 import json
+import math
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import requests
+
+from h2o_vllm.policy import kv_len_after
 
 H2O_VLLM = str(Path(sys.executable).with_name("h2o-vllm"))
 COMMON_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]
@@ -134,6 +137,29 @@ class Offline:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         assert self.proc.returncode == 0, log[-4000:]
         return json.loads(Path(self.out).read_text())
+
+
+def expected_counts(prompt_len: int, num_generated: int, config, block_size: int) -> dict[str, int]:
+    """What the engine evicts for one request, from the shared policy: the worker compacts
+    after a step when the live length falls; the scheduler frees the tail blocks when it
+    schedules that step (the last one's too)."""
+    budget = config.budget(prompt_len, block_size)
+
+    def kv(t):
+        return kv_len_after(t, prompt_len, budget)
+    # Steps: the prefill (0 -> prompt_len tokens processed), then one token per decode step;
+    # the last sampled token is never processed.
+    steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, prompt_len + num_generated - 1)]
+    evicted = compactions = freed = held = 0
+    for before, after in steps:
+        held = max(held, math.ceil((kv(before) + after - before) / block_size))  # allocated
+        keep = math.ceil(kv(after) / block_size)  # cut_scheduled, once the step is scheduled
+        freed += max(0, held - keep)
+        held = min(held, keep)
+        dropped = kv(before) + (after - before) - kv(after)
+        evicted += dropped
+        compactions += dropped > 0
+    return {"evicted_tokens": evicted, "compactions": compactions, "freed_blocks": freed}
 
 
 #: The tiny tokenizer has no chat template.

@@ -1,11 +1,9 @@
 """A real `h2o-vllm serve` of the tiny Llama with H2O on: answers equal offline `LLM.generate`,
 per-request budgets act as requested, /metrics counts exactly what the engine evicted, bad
 per-request values get a 400 and the server keeps serving."""
-import math
-
 import openai
 import pytest
-from harness import TINY_CHAT_TEMPLATE, Offline, Server, wait_for
+from harness import TINY_CHAT_TEMPLATE, Offline, Server, expected_counts, wait_for
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
@@ -84,36 +82,13 @@ def test_streaming_completion_matches_non_streaming(server):
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == whole
 
 
-def _expected(prompt_len: int, num_generated: int, config: H2OConfig) -> dict[str, int]:
-    """What the engine evicts for one request, from the shared policy: the worker compacts
-    after a step when the live length falls; the scheduler frees the tail blocks when it
-    schedules that step (the last one's too)."""
-    budget = config.budget(prompt_len, BLOCK_SIZE)
-
-    def kv(t):
-        return kv_len_after(t, prompt_len, budget)
-    # Steps: the prefill (0 -> prompt_len tokens processed), then one token per decode step;
-    # the last sampled token is never processed.
-    steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, prompt_len + num_generated - 1)]
-    evicted = compactions = freed = held = 0
-    for before, after in steps:
-        held = max(held, math.ceil((kv(before) + after - before) / BLOCK_SIZE))  # allocated
-        keep = math.ceil(kv(after) / BLOCK_SIZE)  # cut_scheduled, once the step is scheduled
-        freed += max(0, held - keep)
-        held = min(held, keep)
-        dropped = kv(before) + (after - before) - kv(after)
-        evicted += dropped
-        compactions += dropped > 0
-    return {"evicted_tokens": evicted, "compactions": compactions, "freed_blocks": freed}
-
-
 @pytest.mark.parametrize("xargs", XARGS, ids=["engine-budget", "tokens-4+4-interval1", "ratio-0.05+0.05"])
 def test_request_budget_sets_evicted_counts_and_metrics(server, xargs):
     config = H2OConfig.from_dict(ENGINE_H2O).with_overrides(
         {k.removeprefix("h2o_"): v for k, v in (xargs or {}).items()})
     before = server.settled_metrics()
     usage = _complete(server, PROMPTS[0], xargs).usage
-    expected = _expected(usage.prompt_tokens, usage.completion_tokens, config)
+    expected = expected_counts(usage.prompt_tokens, usage.completion_tokens, config, BLOCK_SIZE)
     assert expected["evicted_tokens"] > 0 and expected["freed_blocks"] > 0
 
     def delta():

@@ -133,3 +133,22 @@ def test_metrics_collector_through_prometheus_registry(tmp_path):
     assert registry.get_sample_value("h2o_vllm:freed_blocks_total") == 2
     assert registry.get_sample_value("h2o_vllm:live_kv_tokens") == 40
     assert registry.get_sample_value("h2o_vllm:evicted_attention_share") == pytest.approx(0.25)
+
+
+def test_metrics_register_collector_once_per_served_registry(tmp_path, monkeypatch):
+    """An API server's own registry (``--api-server-count`` > 1) gets the collector once;
+    the global one is process 0's (``setup_process0``); no directory, no H2O metrics."""
+    from prometheus_client import REGISTRY
+    _write(tmp_path, "7.json", TOTALS)
+    monkeypatch.delenv(metrics.DIR_ENV, raising=False)
+    bare = CollectorRegistry()
+    metrics.register_collector(bare)
+    assert bare.get_sample_value("h2o_vllm:freed_blocks_total") is None
+    monkeypatch.setenv(metrics.DIR_ENV, str(tmp_path))
+    served = CollectorRegistry()
+    metrics.register_collector(served)
+    metrics.register_collector(served)  # a second registration would raise on duplicate names
+    assert served.get_sample_value("h2o_vllm:freed_blocks_total") == 2
+    before = list(REGISTRY._collector_to_names)
+    metrics.register_collector(REGISTRY)
+    assert list(REGISTRY._collector_to_names) == before

@@ -100,6 +100,7 @@ SIGNATURES = {
     "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses.create_responses":
         ["self", "request", "raw_request"],
     "vllm.v1.metrics.loggers:LoggingStatLogger.log": ["self"],
+    "prometheus_client.multiprocess:MultiProcessCollector.__init__": ["self", "registry", "path"],
     # H2O_VLLM_TRITON_ON_CPU only (vllm_hooks/triton_on_cpu.py)
     "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls":
         ["selected_backend", "attn_selector_config", "num_heads"],
@@ -375,6 +376,30 @@ def test_serving_hook_checks_what_becomes_extra_args(path):
     assert "vllm_xargs" in cls.model_fields
     source = inspect.getsource(cls.to_sampling_params)
     assert "self.vllm_xargs" in source and "extra_args=extra_args" in source
+
+
+def test_every_multiprocess_registry_an_api_server_serves_gets_the_h2o_collector(
+        registered, tmp_path, monkeypatch):
+    """With ``--api-server-count`` > 1 vLLM sets PROMETHEUS_MULTIPROC_DIR; /metrics is then
+    served from a multiprocess registry, vLLM's or the instrumentator's per-scrape one."""
+    import prometheus_client
+    from prometheus_client import CollectorRegistry, multiprocess
+    from prometheus_fastapi_instrumentator import instrumentation
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    from h2o_vllm import metrics
+    (tmp_path / "prom").mkdir()
+    (tmp_path / "h2o").mkdir()
+    (tmp_path / "h2o" / "7.json").write_text('{"freed_blocks": 3}')
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prom"))
+    monkeypatch.setenv(metrics.DIR_ENV, str(tmp_path / "h2o"))
+    assert "MultiProcessCollector(ephemeral_registry)" in inspect.getsource(instrumentation)
+    served = get_prometheus_registry()
+    assert served is not prometheus_client.REGISTRY
+    assert served.get_sample_value("h2o_vllm:freed_blocks_total") == 3
+    per_scrape = CollectorRegistry()
+    multiprocess.MultiProcessCollector(per_scrape)
+    assert per_scrape.get_sample_value("h2o_vllm:freed_blocks_total") == 3
 
 
 def test_serving_hook_error_reaches_vllms_400_handler():

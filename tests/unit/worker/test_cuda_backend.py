@@ -57,8 +57,8 @@ def test_impl_refuses_what_the_fused_attention_does_not_compute():
     H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": "bfloat16",
                                                     "logits_soft_cap": None}))
     H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "logits_soft_cap": 30.0}))  # in the scores
+    H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "sinks": torch.zeros(4)}))  # so are sinks
     for change, words in ((dict(alibi_slopes=torch.ones(4)), "ALiBi"),
-                          (dict(sinks=torch.zeros(4)), "sinks"),
                           (dict(kv_cache_dtype="fp8"), "quantised KV cache"),
                           (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type")):
         with pytest.raises(NotImplementedError, match=words):
