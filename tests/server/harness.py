@@ -47,13 +47,14 @@ def group_alive(pgid: int) -> bool:
 class Server:
     """A running server; ``stop()`` ends its whole process group and checks nothing is left."""
 
-    def __init__(self, model_dir, args, timeout_s: float = 240) -> None:
+    def __init__(self, model_dir, args, timeout_s: float = 240, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="h2o-server-", suffix=".log", delete=False)
         cmd = [H2O_VLLM, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
                *COMMON_ARGS, *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=server_env(),
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**server_env(), **(env or {})},
                                      start_new_session=True)
         self.timeout_s = timeout_s
 
