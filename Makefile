@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	# PyPI's builds of these break `import transformers` beside the CPU torch.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers, h2o_vllm"
+	# A real Prometheus for the dashboard test (tests/server/test_prometheus.py skips without it).
+	command -v prometheus >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y \
+	    --no-install-recommends prometheus || echo "prometheus not installed: its test will skip"
 	touch $(STAMP)
 
 demo: $(STAMP)
