@@ -2,11 +2,12 @@
 
     .venv/bin/python benchmarks/fuzz_api.py [--examples 40] [--tiny | --model DIR]
 
-For each side (``h2o``: ``--kv-eviction h2o``; ``stock``: the same server without it) a server
+For each side (``h2o``: ``--kv-eviction h2o``; ``stock``: vLLM with no plugin loaded) a server
 starts; schemathesis reads its ``/openapi.json`` and hypothesis draws ``--examples`` cases per
 operation (POST /v1/completions, /v1/chat/completions, /v1/responses), each twice: as the schema
 says, and with ``vllm_xargs`` holding H2O keys (valid names, a misspelt one, any JSON values).
-Generation is derandomized, so both sides get the same cases. Afterwards each server must be
+Generation is derandomized, so both sides get the same cases; each body names the served model
+and a completions case without a prompt gets one. The tiny model is served with a chat template. Afterwards each server must be
 healthy with its KV pool idle. Writes ``fuzz.json`` (every case's status; each 5xx with its
 body) under ``benchmarks/results/<date>-<host>/fuzz/`` and prints the summary table.
 """
@@ -20,13 +21,19 @@ from collections import Counter
 import requests
 
 from h2o_vllm.config import REQUEST_KEYS
+from h2o_vllm.tools.models import TINY_CHAT_TEMPLATE
+from h2o_vllm.tools.soak import STOCK_PLUGINS
 from h2o_vllm.tools.server import results_subdir, run_header, served_model, start_server, stop_server
 
 OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
-COMMON = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--block-size", "16",
-          "--seed", "0"]
+COMMON = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--block-size", "32",
+          "--seed", "0", "--chat-template", TINY_CHAT_TEMPLATE]
+#: A completions case without a prompt gets this one: else every such case is the same 400.
+PROMPT = "Free software is a matter of liberty, not price"
 SIDES = {"h2o": ["--kv-eviction", "h2o", "--h2o-heavy-tokens", "8", "--h2o-recent-tokens", "8"],
          "stock": []}
+#: The stock side loads no plugin at all (vLLM loads only the general plugins named here).
+STOCK_ENV = {"VLLM_PLUGINS": STOCK_PLUGINS}
 MISSPELT = "h2o_heavy_tokns"
 
 
@@ -66,26 +73,44 @@ def _with_xargs(pair):
 
 
 def fuzz_side(url: str, examples: int) -> dict:
+    """Every case of every operation against ``url``, its ``model`` field set to the served
+    model (else nearly every case is only a 404 for an unknown model)."""
     import schemathesis
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", timeout=120)
+    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     results = {}
     for path in OPERATIONS:
         operation = schema[path]["POST"]
         for with_xargs in (False, True):
             label = f"POST {path}" + (" +vllm_xargs" if with_xargs else "")
-            statuses, errors = [], []
+            statuses, errors, reasons = [], [], Counter()
             for i, case in enumerate(cases(operation, examples, with_xargs)):
+                if isinstance(case.body, dict):
+                    case.body = {**case.body, "model": model}
+                    if path == "/v1/completions" and not case.body.get("prompt"):
+                        case.body["prompt"] = PROMPT
                 try:
                     response = case.call(base_url=url, timeout=120)
                     statuses.append(response.status_code)
+                    if 400 <= response.status_code < 500:
+                        reasons[_reason(response)] += 1
                     if response.status_code >= 500:
                         errors.append({"case": i, "status": response.status_code, "body": case.body,
                                        "response": response.text[:400]})
                 except requests.RequestException as exc:  # a dropped connection counts as a failure
                     statuses.append(0)
                     errors.append({"case": i, "status": 0, "body": case.body, "response": repr(exc)[:400]})
-            results[label] = {"statuses": statuses, "errors": errors}
+            results[label] = {"statuses": statuses, "errors": errors, "4xx_reasons": reasons.most_common()}
     return results
+
+
+def _reason(response) -> str:
+    """A 4xx's message, cut before the values it quotes (so equal reasons count together)."""
+    try:
+        message = str(response.json().get("error", {}).get("message", response.text))
+    except ValueError:
+        message = response.text
+    return message.split(":")[0].split("(")[0][:80]
 
 
 def idle(url: str) -> dict:
@@ -125,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     out = results_subdir(args.out, __file__, "fuzz")
     report = {**run_header(__file__, argv), "model": name, "examples": args.examples, "sides": {}}
     for side, flags in SIDES.items():
-        proc, url = start_server(model_dir, [*COMMON, *flags], out / "logs" / f"{side}.log")
+        proc, url = start_server(model_dir, [*COMMON, *flags], out / "logs" / f"{side}.log",
+                                 env=STOCK_ENV if side == "stock" else None)
         try:
             started = time.monotonic()
             results = fuzz_side(url, args.examples)

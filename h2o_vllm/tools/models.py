@@ -336,6 +336,10 @@ def build_tiny_model(
     return out
 
 
+#: The tiny tokenizer has no chat template: serve with ``--chat-template`` this.
+TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
 def build_tiny_llama(out_dir: str | os.PathLike, **sizes) -> Path:
     """``build_tiny_model`` of the Llama family: the exactness tests' model."""
     return build_tiny_model(out_dir, "llama", **sizes)

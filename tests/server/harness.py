@@ -1,4 +1,5 @@
 """Server-tier harness: `h2o-vllm serve` as a subprocess on 127.0.0.1, one per test module."""
+import contextlib
 import glob
 import json
 import math
@@ -115,6 +116,18 @@ class Server:
         assert not orphans, f"server processes left 30 s after SIGTERM:\n{self.tail()}"
 
 
+@contextlib.contextmanager
+def serving(server: Server):
+    """A module fixture's body: ``server`` once ready, with ``server.model`` its served name;
+    stopped (and checked to leave no process) afterwards."""
+    try:
+        server.wait_ready()
+        server.model = server.client().models.list().data[0].id
+        yield server
+    finally:
+        server.stop()
+
+
 class Offline:
     """Reference answers from `LLM.generate` / `LLM.chat`, computed in a subprocess that runs
     while the server starts (see offline.py for the spec format)."""
@@ -163,8 +176,7 @@ def expected_counts(prompt_len: int, num_generated: int, config, block_size: int
     return {"evicted_tokens": evicted, "compactions": compactions, "freed_blocks": freed}
 
 
-#: The tiny tokenizer has no chat template.
-TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+from h2o_vllm.tools.models import TINY_CHAT_TEMPLATE  # noqa: E402,F401  (the tests' import point)
 
 
 def wait_for(predicate, timeout_s: float = 5.0):

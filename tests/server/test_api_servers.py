@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from harness import Server, expected_counts, wait_for
+from harness import Server, expected_counts, serving, wait_for
 
 from h2o_vllm.config import H2OConfig
 
@@ -37,13 +37,8 @@ ACCESS_LOG = {
 def server(tiny_llama_dir, tmp_path_factory):
     log_config = tmp_path_factory.mktemp("api-servers") / "log.json"
     log_config.write_text(json.dumps(ACCESS_LOG))
-    server = Server(tiny_llama_dir, [*FLAGS, "--log-config-file", str(log_config)])
-    try:
-        server.wait_ready()
-        server.model = server.client().models.list().data[0].id
+    with serving(Server(tiny_llama_dir, [*FLAGS, "--log-config-file", str(log_config)])) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _complete(server, **xargs):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from harness import Server, expected_counts, wait_for
+from harness import Server, expected_counts, serving, wait_for
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.oracle import H2OOracle
@@ -34,13 +34,8 @@ CASES = [(prompt, xargs) for xargs in XARGS for prompt in PROMPTS]
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     # Each engine's worker takes one of the two cores (vLLM splits the list by DP rank).
-    server = Server(tiny_llama_dir, FLAGS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    try:
-        server.wait_ready()
-        server.model = server.client().models.list().data[0].id
+    with serving(Server(tiny_llama_dir, FLAGS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import requests
-from harness import Server
+from harness import Server, serving
 
 from h2o_vllm.tools import soak
 
@@ -51,12 +51,8 @@ def server(request, tiny_llama_dir, monkeypatch_module):
     server = Server(tiny_llama_dir, FLAGS if h2o else STOCK_FLAGS)
     monkeypatch_module.delenv("VLLM_PLUGINS", raising=False)
     server.h2o = h2o
-    try:
-        server.wait_ready()
-        server.model = server.client().models.list().data[0].id
+    with serving(server):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

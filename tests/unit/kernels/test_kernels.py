@@ -75,22 +75,27 @@ def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, d
     torch.testing.assert_close(scores, expected, **TOL[dtype])
 
 
+def _shaped_case(decode: bool, dtype):
+    """A decode or prefill score case of the shaped-logit tests (head size 64, 3 query heads
+    per KV head, block 16): (q_lens, kernel args, zero scores, kernel, torch twin)."""
+    q_lens, kv_lens = ([1] * 3, [5, 100, 37]) if decode else zip(*PREFILL_ROWS)
+    key_cache, _, scores, block_table = make_cache(kv_lens, 64, 16, dtype)
+    query = make_query(sum(q_lens), NUM_KV_HEADS * 3, 64, dtype)
+    if decode:
+        return (q_lens, (query, key_cache, block_table, int32(kv_lens)), scores,
+                decode_scores.accumulate_decode_scores, twins.accumulate_decode_scores)
+    starts = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    return (q_lens, (query, key_cache, block_table, starts, int32(kv_lens)), scores,
+            prefill_scores.accumulate_prefill_scores, twins.accumulate_prefill_scores)
+
+
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_soft_capped_scores_match_torch(decode):
     """Gemma 2's soft-cap: the kernels' scores are the capped softmax (a cap of 1.5 bites on
     these logits: the uncapped scores differ)."""
-    head_size, group, block_size, dtype, cap = 64, 3, 16, torch.float32, 1.5
-    q_lens, kv_lens = ([1] * 3, [5, 100, 37]) if decode else zip(*PREFILL_ROWS)
-    key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
-    query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
-    scale = head_size ** -0.5
-    if decode:
-        args = (query, key_cache, block_table, int32(kv_lens))
-        kernel, twin = decode_scores.accumulate_decode_scores, twins.accumulate_decode_scores
-    else:
-        args = (query, key_cache, block_table, int32([0] + torch.tensor(q_lens).cumsum(0).tolist()),
-                int32(kv_lens))
-        kernel, twin = prefill_scores.accumulate_prefill_scores, twins.accumulate_prefill_scores
+    cap, dtype, scale = 1.5, torch.float32, 64 ** -0.5
+    q_lens, args, scores, kernel, twin = _shaped_case(decode, dtype)
+    if not decode:
         torch.testing.assert_close(prefill_scores.prefill_lse(*args, scale, softcap=cap, block_m=16, block_n=16),
                                    twins.prefill_lse(*args, scale, softcap=cap), rtol=1e-5, atol=1e-4)
     expected, uncapped = scores.clone(), scores.clone()
@@ -107,19 +112,10 @@ def test_scores_with_sink_logits_match_torch(decode, weighted):
     """gpt-oss's sink logits: each query head's sink joins its softmax's denominator (the
     sinks take a sizeable share here: the scores without them differ). bf16 sinks, as a bf16
     model stores them, are upcast on load."""
-    head_size, group, block_size, dtype = 64, 3, 16, torch.float32
-    q_lens, kv_lens = ([1] * 3, [5, 100, 37]) if decode else zip(*PREFILL_ROWS)
-    key_cache, _, scores, block_table = make_cache(kv_lens, head_size, block_size, dtype)
-    query = make_query(sum(q_lens), NUM_KV_HEADS * group, head_size, dtype)
-    sinks, scale = make_sinks(NUM_KV_HEADS * group).bfloat16(), head_size ** -0.5
-    weights = weights_of(weighted, q_lens)
-    if decode:
-        args = (query, key_cache, block_table, int32(kv_lens))
-        kernel, twin = decode_scores.accumulate_decode_scores, twins.accumulate_decode_scores
-    else:
-        args = (query, key_cache, block_table, int32([0] + torch.tensor(q_lens).cumsum(0).tolist()),
-                int32(kv_lens))
-        kernel, twin = prefill_scores.accumulate_prefill_scores, twins.accumulate_prefill_scores
+    dtype, scale = torch.float32, 64 ** -0.5
+    q_lens, args, scores, kernel, twin = _shaped_case(decode, dtype)
+    sinks, weights = make_sinks(NUM_KV_HEADS * 3).bfloat16(), weights_of(weighted, q_lens)
+    if not decode:
         torch.testing.assert_close(prefill_scores.prefill_lse(*args, scale, sinks=sinks, block_m=16, block_n=16),
                                    twins.prefill_lse(*args, scale, sinks=sinks), rtol=1e-5, atol=1e-4)
     expected, sinkless = scores.clone(), scores.clone()
