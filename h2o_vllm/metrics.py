@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import weakref
@@ -161,6 +162,11 @@ class H2OCollector:
                                 "attention score that eviction dropped.", value=evicted_share(totals))
 
 
+def in_ray_actor() -> bool:
+    ray = sys.modules.get("ray")  # never imported here: a Ray worker has imported it already
+    return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 _collector: H2OCollector | None = None
 _registries: weakref.WeakSet = weakref.WeakSet()  # the served registries holding one
 
@@ -182,11 +188,13 @@ def register_collector(registry) -> None:
 def setup_process0() -> None:
     """In process 0 only: a fresh directory for this engine's writers and the collector.
 
-    A spawned child (``multiprocessing.parent_process()`` set) keeps the inherited path; a
-    top-level process replaces any path inherited from an unrelated parent's environment.
+    A spawned child (``multiprocessing.parent_process()`` set) keeps the inherited path, and
+    so does a Ray actor (a worker of vLLM's Ray executor, which is given process 0's
+    environment before it loads the plugins); any other top-level process replaces a path
+    inherited from an unrelated parent's environment.
     """
     global _collector
-    if _collector is not None or multiprocessing.parent_process() is not None:
+    if _collector is not None or multiprocessing.parent_process() is not None or in_ray_actor():
         return
     directory = tempfile.mkdtemp(prefix="h2o-vllm-metrics-")
     os.environ[DIR_ENV] = directory

@@ -30,6 +30,7 @@ def register() -> None:
     vllm_hooks.install_metrics_hooks()
     from h2o_vllm import metrics
     metrics.setup_process0()  # before vLLM spawns the engine core: children inherit the path
+    vllm_hooks.share_env_with_ray_workers(metrics.DIR_ENV)  # Ray workers get it from vLLM
     _registered = True
 
 

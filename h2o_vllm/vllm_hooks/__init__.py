@@ -113,7 +113,9 @@ and version-guard helpers every hook module uses.
   (process 0: one INFO line beside vLLM's periodic stats) and prometheus_client's
   ``MultiProcessCollector.__init__``: with ``--api-server-count`` > 1 each API server serves
   multiprocess registries of its own (vLLM's, and one the instrumentator builds for each
-  scrape), which get H2O's collector too. The worker side records
+  scrape), which get H2O's collector too. ``share_env_with_ray_workers`` lists the metrics
+  directory's variable in ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``: Ray workers are no children of
+  process 0, and vLLM's Ray executor sends them only the variables it knows. The worker side records
   in the runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry
   plugin stats.
 - ``install_triton_on_cpu`` (module ``triton_on_cpu``), only with ``H2O_VLLM_TRITON_ON_CPU=1``,
@@ -150,5 +152,6 @@ from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engi
 from h2o_vllm.vllm_hooks.requests import install_request_validation_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.runner import install_runner_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.runner_v2 import install_runner_v2_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.scheduler import install_metrics_hooks, install_scheduler_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.scheduler import (install_metrics_hooks, install_scheduler_hook,  # noqa: E402
+                                           share_env_with_ray_workers)
 from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu  # noqa: E402

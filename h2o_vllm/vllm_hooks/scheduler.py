@@ -6,6 +6,7 @@ Runs in the engine-core process (and the stats-log hook in process 0).
 from __future__ import annotations
 
 import logging
+import os
 
 from h2o_vllm.prefix import ATTRIBUTE
 from h2o_vllm.scheduler import prefix, step
@@ -158,6 +159,18 @@ def install_metrics_hooks() -> None:
     and the one the instrumentator builds afresh for each scrape)."""
     _wrap("vllm.v1.metrics.loggers:LoggingStatLogger.log", _stats_log_wrapper)
     _wrap("prometheus_client.multiprocess:MultiProcessCollector.__init__", _multiprocess_wrapper)
+
+
+def share_env_with_ray_workers(name: str) -> None:
+    """Adds ``name`` to ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``, the list of variables vLLM's Ray
+    executor sends its workers (vllm/ray/ray_env.py ``get_env_vars_to_copy``): a Ray worker is
+    started by its raylet, not by the process that set the variable."""
+    listed = [v for v in os.environ.get(RAY_COPY_ENV, "").split(",") if v.strip()]
+    if name not in listed:
+        os.environ[RAY_COPY_ENV] = ",".join(listed + [name])
+
+
+RAY_COPY_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def _multiprocess_wrapper(original):
