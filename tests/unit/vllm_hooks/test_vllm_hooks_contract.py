@@ -28,6 +28,7 @@ What is NOT guarded here:
 - the V2 runner hook's behaviour (tests/engine/test_cuda.py runs V2 engines) and CUDA paths;
 - vLLM behaviour we do not touch through a recorded symbol.
 """
+import os
 import ast
 import dataclasses
 import importlib
@@ -685,3 +686,20 @@ def test_hybrid_group_counts_follow_vllms_grouping(full, sliding):
             layer_types=["full_attention"] * full + ["sliding_attention"] * sliding), get_sliding_window=lambda: 512),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False))
     assert kv_cache_group_counts(config) == want
+
+
+def test_vllm_ray_executor_copies_the_variables_h2o_lists(monkeypatch):
+    """share_env_with_ray_workers relies on vLLM's legacy Ray executor honouring
+    VLLM_RAY_EXTRA_ENV_VARS_TO_COPY (vllm/ray/ray_env.py); listed once, others kept."""
+    from vllm import envs
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    from h2o_vllm.vllm_hooks import share_env_with_ray_workers
+    from h2o_vllm.vllm_hooks.scheduler import RAY_COPY_ENV
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    monkeypatch.setenv(RAY_COPY_ENV, "OTHER_PLUGIN_VAR")
+    share_env_with_ray_workers("H2O_VLLM_TEST_VAR")
+    share_env_with_ray_workers("H2O_VLLM_TEST_VAR")
+    assert os.environ[RAY_COPY_ENV] == "OTHER_PLUGIN_VAR,H2O_VLLM_TEST_VAR"
+    assert {"H2O_VLLM_TEST_VAR", "OTHER_PLUGIN_VAR"} <= get_env_vars_to_copy()
