@@ -28,11 +28,11 @@ What is NOT guarded here:
 - the V2 runner hook's behaviour (tests/engine/test_cuda.py runs V2 engines) and CUDA paths;
 - vLLM behaviour we do not touch through a recorded symbol.
 """
-import os
 import ast
 import dataclasses
 import importlib
 import inspect
+import os
 import pickle
 import re
 import subprocess
