@@ -189,12 +189,14 @@ def setup_process0() -> None:
     """In process 0 only: a fresh directory for this engine's writers and the collector.
 
     A spawned child (``multiprocessing.parent_process()`` set) keeps the inherited path, and
-    so does a Ray actor (a worker of vLLM's Ray executor, which is given process 0's
-    environment before it loads the plugins); any other top-level process replaces a path
-    inherited from an unrelated parent's environment.
+    so does a Ray actor that was handed one (a worker of vLLM's Ray executor, given process 0's
+    environment before it loads the plugins); a Ray actor without one is process 0 itself (an
+    engine inside Ray Serve); any other top-level process replaces a path inherited from an
+    unrelated parent's environment.
     """
     global _collector
-    if _collector is not None or multiprocessing.parent_process() is not None or in_ray_actor():
+    if _collector is not None or multiprocessing.parent_process() is not None or (
+            in_ray_actor() and os.environ.get(DIR_ENV)):
         return
     directory = tempfile.mkdtemp(prefix="h2o-vllm-metrics-")
     os.environ[DIR_ENV] = directory

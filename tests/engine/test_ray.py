@@ -45,14 +45,13 @@ from h2o_vllm import metrics
 @ray.remote
 class Worker:
     def start(self, executor, env):
-        load_general_plugins()  # loaded before the environment arrives: the worst order
         if executor == "v2":  # RayWorkerProc.initialize_worker: fills in, never overwrites
             for key, value in env.items():
                 os.environ.setdefault(key, value)
         else:  # RayDistributedExecutor: update_environment_variables, then init_worker
             from vllm.v1.worker.worker_base import WorkerWrapperBase
             WorkerWrapperBase(rpc_rank=0).update_environment_variables([env])
-        load_general_plugins()  # WorkerWrapperBase.init_worker
+        load_general_plugins()  # WorkerWrapperBase.init_worker, in both executors
         metrics.recorder().add(evicted_tokens=7, attention_mass=2.5)
         metrics.recorder().flush()
         return os.getpid(), os.environ.get(metrics.DIR_ENV)
