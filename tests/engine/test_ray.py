@@ -10,12 +10,14 @@ plugins loaded) writes its H2O metrics where process 0's /metrics reads them."""
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from h2o_vllm.metrics import DIR_ENV
+from h2o_vllm.tools.server import free_port
 
 pytest.importorskip("ray", reason="Ray is the optional extra h2o-vllm[ray]")
 
@@ -73,10 +75,11 @@ print(json.dumps({"driver_pid": os.getpid(), "driver_dir": os.environ[metrics.DI
 def ray_cluster(tmp_path_factory):
     """A head node on 127.0.0.1 with Ray's default token authentication (the token passed in
     the environment, as a second node or a driver would get it); yields the clients' env."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+    port = free_port()
+    # Without this process's metrics directory (set when a test here loaded the plugin): Ray's
+    # workers would inherit it from the head, and RayExecutorV2 never overwrites a worker's value.
+    inherited = {k: v for k, v in os.environ.items() if k != DIR_ENV}
+    env = {**inherited, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                     "--num-cpus=2", "--include-dashboard=false",
