@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import requests
+
+from h2o_vllm.tools.server import free_port
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "h2o-vllm.json"
 JOB = "h2o-vllm"
@@ -32,9 +33,7 @@ class LocalPrometheus:
         if self.binary is None:
             raise FileNotFoundError("no prometheus binary: apt-get install prometheus (make venv does)")
         self.workdir, self.target, self.interval_s = Path(workdir), target, int(interval_s)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LocalPrometheus":

@@ -161,6 +161,9 @@ def install_metrics_hooks() -> None:
     _wrap("prometheus_client.multiprocess:MultiProcessCollector.__init__", _multiprocess_wrapper)
 
 
+RAY_COPY_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+
 def share_env_with_ray_workers(name: str) -> None:
     """Adds ``name`` to ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``, the list of variables vLLM's Ray
     executor sends its workers (vllm/ray/ray_env.py ``get_env_vars_to_copy``): a Ray worker is
@@ -168,9 +171,6 @@ def share_env_with_ray_workers(name: str) -> None:
     listed = [v for v in os.environ.get(RAY_COPY_ENV, "").split(",") if v.strip()]
     if name not in listed:
         os.environ[RAY_COPY_ENV] = ",".join(listed + [name])
-
-
-RAY_COPY_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def _multiprocess_wrapper(original):

@@ -6,7 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import Server, wait_for
+from harness import Server, serving, wait_for
 
 from h2o_vllm.tools.prometheus import LocalPrometheus, dashboard_queries
 
@@ -22,21 +22,16 @@ LOAD_S = 12
 
 @pytest.fixture(scope="module")
 def scraped(tiny_llama_dir, tmp_path_factory):
-    server = Server(tiny_llama_dir, FLAGS)
-    try:
-        server.wait_ready()
-        model = server.client().models.list().data[0].id
-        with LocalPrometheus(tmp_path_factory.mktemp("prometheus"), server.url.removeprefix("http://")) as prom:
-            def complete(_):
-                return server.client().completions.create(
-                    model=model, prompt=PROMPT, max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
-            deadline = time.monotonic() + LOAD_S
-            with ThreadPoolExecutor(4) as pool:
-                while time.monotonic() < deadline:
-                    list(pool.map(complete, range(4)))
-            yield server, prom
-    finally:
-        server.stop()
+    with serving(Server(tiny_llama_dir, FLAGS)) as server, \
+            LocalPrometheus(tmp_path_factory.mktemp("prometheus"), server.url.removeprefix("http://")) as prom:
+        def complete(_):
+            return server.client().completions.create(
+                model=server.model, prompt=PROMPT, max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
+        deadline = time.monotonic() + LOAD_S
+        with ThreadPoolExecutor(4) as pool:
+            while time.monotonic() < deadline:
+                list(pool.map(complete, range(4)))
+        yield server, prom
 
 
 def _value(result) -> float:
