@@ -20,16 +20,24 @@ def install_runner_hook() -> None:
 
 
 def _update_states_wrapper(original):
-    """Keep the step's prefix-cache orders for the plan; first give the rows that compacted
-    into fresh blocks last step those blocks (not earlier: on the CPU the runner's block table
-    is the kernels' tensor, which that step was still reading)."""
+    """Keep the step's prefix-cache orders and void requests for the plan; first give the
+    rows that compacted into fresh blocks last step those blocks (not earlier: on the CPU the
+    runner's block table is the kernels' tensor, which that step was still reading)."""
     def _update_states(self, scheduler_output):
         if _h2o_of(self) is not None:
             from h2o_vllm.prefix import ATTRIBUTE
             _rewrite_rows(self)
             self._h2o_orders = getattr(scheduler_output, ATTRIBUTE, None)
+            self._h2o_void = void_request_ids(scheduler_output)
         return original(self, scheduler_output)
     return _update_states
+
+
+def void_request_ids(scheduler_output) -> set[str]:
+    """Requests whose KV cache is gone or rebuilt as of this step: finished (or aborted),
+    preempted, resumed from preemption (``StepPlan.void_ids``)."""
+    return (set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
 
 
 def _get_kv_cache_spec_wrapper(original):
@@ -88,7 +96,7 @@ def _plan_batch(runner, num_reqs: int, scheduled: dict[str, int]):
         prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
         query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
         extra_args_of=extra_args_of, live_request_ids=requests.keys(),
-        orders=runner.__dict__.get("_h2o_orders"))
+        orders=runner.__dict__.get("_h2o_orders"), void_ids=runner.__dict__.get("_h2o_void", ()))
 
 
 def compacted_rows(runner, plan, req_ids):

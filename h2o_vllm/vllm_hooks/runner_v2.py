@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.vllm_hooks.runner import _budgets, _get_kv_cache_spec_wrapper, compacted_rows
+from h2o_vllm.vllm_hooks.runner import (_budgets, _get_kv_cache_spec_wrapper, compacted_rows,
+                                       void_request_ids)
 from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap
 
 
@@ -53,6 +54,7 @@ def _update_requests_wrapper(original):
             from h2o_vllm.prefix import ATTRIBUTE
             _rewrite_rows(self)
             self._h2o_orders = getattr(scheduler_output, ATTRIBUTE, None)
+            self._h2o_void = void_request_ids(scheduler_output)
         return original(self, scheduler_output)
     return update_requests
 
@@ -93,7 +95,7 @@ def _plan_batch(runner, input_batch):
         query_lens=torch.from_numpy(input_batch.num_scheduled_tokens[:n]).to(torch.int64),
         extra_args_of=lambda req_id: None,  # resolved in add_requests
         live_request_ids=states.req_id_to_index.keys(),
-        orders=runner.__dict__.get("_h2o_orders"))
+        orders=runner.__dict__.get("_h2o_orders"), void_ids=runner.__dict__.get("_h2o_void", ()))
 
 
 def _truncate_rows(runner, plan, input_batch) -> None:

@@ -45,6 +45,11 @@ class StepPlan:
     score_scale: torch.Tensor | None = None    # [num_reqs] fp32
     # Prefix caching: this step's orders by row (worker.prefix.PrefixPlan), None without any.
     prefix: Any = None
+    # The request of each row, and the requests whose KV cache is gone or rebuilt since the
+    # last step (finished, preempted, resumed): what state kept across steps is keyed by
+    # (worker.cpu.deferred). Empty when the plan is built without them (unit tests).
+    req_ids: tuple[str, ...] = ()
+    void_ids: frozenset[str] = frozenset()
 
     @property
     def weighted(self) -> bool:
@@ -104,17 +109,20 @@ def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
 def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: torch.Tensor,
                prompt_lens: torch.Tensor, query_lens: torch.Tensor,
                extra_args_of: Callable[[str], Mapping[str, Any] | None],
-               live_request_ids: Iterable[str], orders: Any = None) -> StepPlan:
+               live_request_ids: Iterable[str], orders: Any = None,
+               void_ids: Iterable[str] = ()) -> StepPlan:
     """The plan of a batch whose row i is request ``req_ids[i]``; each request's budget is
     resolved the first time it is seen (``extra_args_of`` gives its overrides). ``orders``:
-    the step's ``PrefixOrders`` from the scheduler (prefix caching), or None."""
+    the step's ``PrefixOrders`` from the scheduler (prefix caching), or None. ``void_ids``:
+    ``StepPlan.void_ids``."""
     rows = [budgets.resolve(r, int(prompt_lens[i]), extra_args_of(r)) for i, r in enumerate(req_ids)]
     live = list(live_request_ids)
     if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
         budgets.retain(live)
     plan = make_step_plan(num_computed, query_lens, prompt_lens, rows)
-    prefix = prefix_plan(orders, req_ids)
-    return plan if prefix is None else dataclasses.replace(plan, prefix=prefix)
+    plan = dataclasses.replace(plan, prefix=prefix_plan(orders, req_ids), req_ids=tuple(req_ids),
+                               void_ids=frozenset(void_ids))
+    return plan
 
 
 def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,

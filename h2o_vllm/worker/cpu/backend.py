@@ -4,7 +4,8 @@ Runs in the worker process; registered over ``CPU_ATTN`` in every process. With 
 ``h2o`` key in ``additional_config``) the builder and impl do exactly what the stock ones do.
 With H2O on, rows with several queries (prompts, prefill chunks) are attended by H2O's torch
 attention, whose probabilities also give their scores (``prefill.py``); vLLM's kernel attends
-the decode rows alone, and their scores are recomputed (``scores.py``).
+the decode rows alone, and their scores are recomputed (``scores.py``), a row's queries
+together when its scores are next needed (``deferred.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata, use_readable_isa
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
+from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingBook, PendingQueries
 from h2o_vllm.worker.cpu.ops import CPUOps
 from h2o_vllm.worker.step import H2OStep
 
@@ -47,6 +49,9 @@ class H2OCPUAttentionMetadata(CPUAttentionMetadata):
     # vLLM's metadata of the decode rows alone, on a step that also has rows with several
     # queries (else None: vLLM's kernel runs the batch as built, or not at all).
     decode: CPUAttentionMetadata | None = None
+    # Which decode queries wait and which rows' waiting queries are scored (deferred.py);
+    # None: every decode query is scored in its own step.
+    deferred: DeferredDecode | None = None
 
 
 class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
@@ -55,15 +60,17 @@ class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.book = PendingBook(self.block_size)
         if self.h2o is not None:
             isa = use_readable_isa(self, layer_names)
             announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention (ISA {isa}) for decode "
                              "rows, H2O's torch attention and scores for prefill rows", vllm_config)
 
     def device_fields(self, cm, step: H2OStep) -> dict:
-        if step.decode_rows is None or step.prefill_rows is None:
-            return {}
-        return {"decode": self.stock_build(decode_rows_metadata(cm, step.decode_rows, step.decode_tokens))}
+        fields = {"deferred": self.book.decide(step)}
+        if step.decode_rows is not None and step.prefill_rows is not None:
+            fields["decode"] = self.stock_build(decode_rows_metadata(cm, step.decode_rows, step.decode_tokens))
+        return fields
 
 
 class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
@@ -74,6 +81,7 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
         if self.h2o is not None:
             check_fusable(self, quantised_cache=self.is_fp8_kv_cache)
             self.fuses_scores = True
+            self.pending = PendingQueries()
 
     def has_sliding_window(self) -> bool:
         return self.sliding_window not in (-1, None)
@@ -91,4 +99,5 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
             self.stock_forward(layer, query[tokens], kv_cache, attn_metadata.decode, decode_out,
                                output_scale, output_block_scale)
             out[tokens] = decode_out
-        self.ops.attend(step, query, views, out, scores, self.scale, self.logits_soft_cap, self.sinks)
+        self.ops.attend(step, query, views, out, scores, self.scale, self.logits_soft_cap, self.sinks,
+                        attn_metadata.deferred, self.pending)

@@ -3,7 +3,8 @@
 Runs in the worker process. Keys are read in the cache's own layout (``layout.py``); the
 decode rows' key blocks are indexed once per step (``DecodeIndex``) and every layer reuses it.
 Rows with several queries get their attention and scores from one softmax (``prefill.py``);
-decode rows keep vLLM's kernel, and their probabilities are recomputed (``scores.py``).
+decode rows keep vLLM's kernel, and their probabilities are recomputed (``scores.py``), in
+the engine a row's queries together when its scores are next needed (``deferred.py``).
 Compaction is the kernels' plain-torch twin, which takes strided views as they are.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from h2o_vllm.kernels import twins
+from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingQueries
 from h2o_vllm.worker.cpu.layout import CacheViews, cache_views
 from h2o_vllm.worker.cpu.prefill import prefill_attention
 from h2o_vllm.worker.cpu.scores import DecodeIndex, accumulate_decode_scores_at, decode_index
@@ -30,13 +32,18 @@ class CPUOps:
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
                scores: torch.Tensor, scale: float, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None) -> None:
+               sinks: torch.Tensor | None = None, deferred: DeferredDecode | None = None,
+               pending: PendingQueries | None = None) -> None:
         """The prefill rows' attention output into ``out`` and the step's scores (new slots
         zeroed first), after vLLM's kernel has attended the decode rows alone. Replaces the
-        zeroing and ``accumulate`` in ``update_scores_and_compact``.
-        query, out: [>= num_tokens, num_q_heads, head_size]."""
+        zeroing and ``accumulate`` in ``update_scores_and_compact``. With ``deferred`` (and
+        the layer's ``pending``), decode queries wait and rows' waiting queries are scored
+        as it decides. query, out: [>= num_tokens, num_q_heads, head_size]."""
         zero_new_slots(step, scores)
-        self._decode_scores(step, query, views, scores, scale, softcap, sinks)
+        if deferred is not None:
+            pending.apply(deferred, query, views.key_blocks, scores, scale, softcap, sinks)
+        if deferred is None or deferred.immediate:
+            self._decode_scores(step, query, views, scores, scale, softcap, sinks)
         self._prefill_rows(step, query, views, scores, scale, out, softcap, sinks)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,

@@ -32,9 +32,11 @@ def soft_cap_(logits: torch.Tensor, softcap: float) -> None:
 
 @dataclass(frozen=True)
 class DecodeIndex:
-    """Where a step's decode rows read their keys; the same for every layer, built once."""
+    """Where rows of decode queries read their keys; built once per step, read by every layer."""
     blocks: torch.Tensor   # int64 [R * nb]: each row's first nb blocks, row-major
-    padding: torch.Tensor  # bool [R, 1, 1, nb * block_size]: True past the row's length
+    # bool [R, 1, T, 1, nb * block_size]: True where key position >= the kv length query t of
+    # the row saw (T = 1: this step's one query per row; ``deferred.py``: a row's pending queries)
+    padding: torch.Tensor
     # Weighted steps only (else None): the blocks holding each row's live tokens, and the row
     # of each. ``blocks`` cannot be scaled: a short row's entries past its length are stale
     # and may name another row's blocks (adding 0 there is harmless, scaling is not).
@@ -44,17 +46,20 @@ class DecodeIndex:
 
 def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_size: int,
                  weighted: bool = False) -> DecodeIndex:
-    """block_table: [R, max_blocks]; kv_seq_lens: [R] int64 (padded to the longest row)."""
-    num_row_blocks = int((kv_seq_lens.max() + block_size - 1) // block_size)
+    """block_table: [R, max_blocks]; kv_seq_lens: [R] int64 (one query per row), or [R, T]:
+    the kv length each of a row's T queries saw, the last the row's longest."""
+    lens = kv_seq_lens if kv_seq_lens.dim() == 2 else kv_seq_lens[:, None]
+    row_lens = lens.max(dim=1).values
+    num_row_blocks = int((row_lens.max() + block_size - 1) // block_size)
     pos = torch.arange(num_row_blocks * block_size)
     blocks = block_table[:, :num_row_blocks].long()
     live_blocks = live_rows = None
     if weighted:
-        live = torch.arange(num_row_blocks)[None, :] * block_size < kv_seq_lens[:, None]
+        live = torch.arange(num_row_blocks)[None, :] * block_size < row_lens[:, None]
         live_blocks = blocks[live]
         live_rows = torch.arange(blocks.shape[0])[:, None].expand_as(blocks)[live]
     return DecodeIndex(blocks=blocks.flatten(),
-                       padding=(pos[None, :] >= kv_seq_lens[:, None])[:, None, None, :],
+                       padding=(pos[None, None, :] >= lens[:, :, None])[:, None, :, None, :],
                        live_blocks=live_blocks, live_rows=live_rows)
 
 
@@ -86,31 +91,53 @@ def accumulate_decode_scores_at(query: torch.Tensor, key_blocks: torch.Tensor, s
                                 score_scale: torch.Tensor | None = None, softcap: float = 0.0,
                                 sinks: torch.Tensor | None = None) -> None:
     """``accumulate_decode_scores`` with the step's ``DecodeIndex`` already built (with
-    ``weighted=True`` when score_scale is given).
+    ``weighted=True`` when score_scale is given)."""
+    accumulate_row_queries(query[:, None], key_blocks, scores, index, scale,
+                           None if query_weight is None else query_weight[:, None], score_scale,
+                           softcap, sinks)
+
+
+def accumulate_row_queries(query: torch.Tensor, key_blocks: torch.Tensor, scores: torch.Tensor,
+                           index: DecodeIndex, scale: float, weights: torch.Tensor | None = None,
+                           factor: torch.Tensor | None = None, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> None:
+    """T queries per row, each over the keys its kv length allows (``index.padding``):
+    scores = factor[row] * scores + sum_t weights[row, t] * probs_t (weights None: all 1;
+    factor needs ``decode_index(..., weighted=True)``). query: [R, T, num_heads, head_size].
 
     Each (row, block, KV head) key tile is already a contiguous [head_size, block_size]
-    matrix in the cache, so one broadcast matmul takes it as is: no transposed copy of K.
+    matrix in the cache, so one broadcast matmul takes it as is, a row's T x group queries at
+    once: no transposed copy of K, and K read once for all of them.
     """
-    num_rows, num_heads, head_size = query.shape
+    num_rows, num_queries, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
+    group = num_heads // num_kv_heads
     num_row_blocks = index.blocks.shape[0] // num_rows
     k = as_fp32(key_blocks.index_select(0, index.blocks))
     k = k.view(num_rows, num_row_blocks, num_kv_heads, head_size, block_size)
     # Scaled before the product, as in prefill.py: one small multiply instead of one over the logits.
-    q = (as_fp32(query) * scale).view(num_rows, 1, num_kv_heads, num_heads // num_kv_heads, head_size)
-    logits = torch.matmul(q, k)                                     # [R, nb, Hkv, G, bs]
+    q = (as_fp32(query) * scale).view(num_rows, num_queries, num_kv_heads, group, head_size)
+    if num_queries > 1:
+        q = q.transpose(1, 2)
+    q = q.reshape(num_rows, 1, num_kv_heads, num_queries * group, head_size)
+    logits = torch.matmul(q, k)                                     # [R, nb, Hkv, T * G, bs]
     soft_cap_(logits, softcap)
-    logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, -1, num_row_blocks * block_size)
+    logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, num_queries, group,
+                                                    num_row_blocks * block_size)
     logits.masked_fill_(index.padding, float("-inf"))
     if sinks is None:
         probs = logits.softmax(dim=-1)
     else:  # the sink is one more entry of each softmax, and nobody's score
-        sink = as_fp32(sinks).view(1, num_kv_heads, -1, 1).expand(num_rows, -1, -1, 1)
+        sink = as_fp32(sinks).view(1, num_kv_heads, 1, group, 1).expand(num_rows, -1, num_queries, -1, 1)
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    probs = probs.sum(dim=2).view(num_rows, num_kv_heads, num_row_blocks, block_size)
-    if score_scale is not None:
+    probs = probs.sum(dim=3)                                        # [R, Hkv, T, nb * bs]
+    if weights is None:
+        probs = probs.sum(dim=2)
+    else:
+        probs = torch.matmul(weights[:, None, None, :], probs).squeeze(2)
+    probs = probs.view(num_rows, num_kv_heads, num_row_blocks, block_size)
+    if factor is not None:
         if index.live_blocks is None:
             raise ValueError("a weighted decode step needs decode_index(..., weighted=True)")
-        probs.mul_(query_weight[:, None, None, None])
-        scale_blocks(scores, index.live_blocks, score_scale[index.live_rows])
+        scale_blocks(scores, index.live_blocks, factor[index.live_rows])
     scores.index_add_(0, index.blocks, probs.transpose(1, 2).reshape(-1, num_kv_heads, block_size))

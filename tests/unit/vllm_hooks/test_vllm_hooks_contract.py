@@ -436,6 +436,21 @@ def test_dataclass_fields_the_hooks_read_or_rebuild():
     assert "kv_cache_groups" in _fields("vllm.v1.kv_cache_interface:KVCacheConfig")
 
 
+def test_scheduler_output_names_the_requests_whose_cache_is_void():
+    """``runner.void_request_ids`` (the CPU path's waiting decode queries are dropped for
+    these) reads finished, preempted and resumed request ids from vLLM's step output."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    from h2o_vllm.vllm_hooks.runner import void_request_ids
+    assert {"finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs"} <= _fields(
+        "vllm.v1.core.sched.output:SchedulerOutput")
+    assert "resumed_req_ids" in _fields("vllm.v1.core.sched.output:CachedRequestData")
+    cached = dataclasses.replace(CachedRequestData.make_empty(), resumed_req_ids={"r"})
+    output = dataclasses.replace(SchedulerOutput.make_empty(), finished_req_ids={"f"},
+                                 preempted_req_ids={"p"}, scheduled_cached_reqs=cached)
+    assert void_request_ids(output) == {"f", "p", "r"}
+
+
 TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
                       "torch.cuda:get_device_capability",
                       "vllm.platforms.cpu:CpuPlatform.check_and_update_config"}

@@ -1,0 +1,139 @@
+"""worker.cpu.deferred: decode queries that wait and are scored together give the scores (and
+so the keep-sets and the cache) of scoring each in its own step.
+
+Two copies of one CPU layer run the same steps through the impl's sequence (``CPUOps.attend``,
+then ``update_scores_and_compact``): one defers (``PendingBook`` + ``PendingQueries``), one
+scores every decode query at once. Rows prefill, decode past several compactions, skip steps,
+get preempted and come back; paper H2O and weighted modes (decay, observation window).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from h2o_vllm.config import Budget
+from h2o_vllm.worker import step as worker_step
+from h2o_vllm.worker.cpu import deferred
+from h2o_vllm.worker.cpu.ops import CPUOps
+from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan
+
+BLOCK, NUM_KV_HEADS, HEAD, GROUP = 16, 2, 16, 3
+MAX_BLOCKS = 8
+
+
+class World:
+    """One layer's cache and scores (the same random start in every world)."""
+
+    def __init__(self, num_rows: int, defer: bool) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.kv_cache = torch.randn(num_rows * MAX_BLOCKS + 1, NUM_KV_HEADS, BLOCK, 2 * HEAD, generator=gen)
+        self.views = CPUOps().cache_views(self.kv_cache)
+        self.scores = torch.rand(self.kv_cache.shape[0], NUM_KV_HEADS, BLOCK, generator=gen)
+        self.table = torch.arange(1, num_rows * MAX_BLOCKS + 1, dtype=torch.int32).view(num_rows, MAX_BLOCKS)
+        self.book = deferred.PendingBook(BLOCK) if defer else None
+        self.pending = deferred.PendingQueries()
+        self.ops = CPUOps()
+
+    def step(self, plan, rows, query, new_k, new_v):
+        """One step of the requests ``rows`` (each keeps its own block-table row)."""
+        table = self.table[torch.tensor(rows)]
+        num_tokens = int(plan.query_lens.sum())
+        slots = kv_slot_mapping(plan, table, num_tokens, BLOCK)
+        self.views.keys[slots // BLOCK, slots % BLOCK] = new_k
+        self.views.values[slots // BLOCK, slots % BLOCK] = new_v
+        step = worker_step.make_step(plan, table, slots, BLOCK)
+        step = dataclasses.replace(step, device_index=self.ops.step_index(step, BLOCK))
+        decision = None if self.book is None else self.book.decide(step)
+        out = torch.empty_like(query)
+        self.ops.attend(step, query, self.views, out, self.scores, HEAD ** -0.5, deferred=decision,
+                        pending=self.pending)
+        worker_step.update_scores_and_compact(step, self.ops, query, self.views, self.scores,
+                                              HEAD ** -0.5, accumulated=True)
+        return decision
+
+
+def _run(budget: Budget, schedule, prompt_lens, check):
+    """schedule: per step, {request index: query length} (absent: not scheduled) and the
+    requests made void before it (preempted: they come back with their whole sequence)."""
+    gen = torch.Generator().manual_seed(1)
+    worlds = [World(len(prompt_lens), defer=False), World(len(prompt_lens), defer=True)]
+    computed = [0] * len(prompt_lens)
+    decisions = []
+    for scheduled, void in schedule:
+        for i in void:
+            computed[i] = 0
+        rows = sorted(scheduled)
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        plan = make_step_plan(t([computed[i] for i in rows]), t([scheduled[i] for i in rows]),
+                              t([prompt_lens[i] for i in rows]), [budget] * len(rows))
+        plan = dataclasses.replace(plan, req_ids=tuple(f"r{i}" for i in rows),
+                                   void_ids=frozenset(f"r{i}" for i in void))
+        num_tokens = int(plan.query_lens.sum())
+        query = torch.randn(num_tokens, NUM_KV_HEADS * GROUP, HEAD, generator=gen)
+        new_k, new_v = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD, generator=gen)
+        decisions.append(worlds[1].step(plan, rows, query, new_k, new_v))
+        worlds[0].step(plan, rows, query, new_k, new_v)
+        for i in rows:
+            computed[i] += scheduled[i]
+        check(worlds, plan, rows, decisions[-1])
+    return worlds, decisions
+
+
+def _settled_rows_agree(worlds, plan, rows, decision):
+    """The cache always; the scores of every row with nothing waiting."""
+    immediate, deferring = worlds
+    assert torch.equal(immediate.kv_cache, deferring.kv_cache)
+    waiting = {req for req, w in deferring.book._waiting.items() if w.kv_lens}
+    for row, req in enumerate(plan.req_ids):
+        if req in waiting:
+            continue
+        blocks = immediate.table[int(req[1:])].long()
+        torch.testing.assert_close(deferring.scores[blocks], immediate.scores[blocks], rtol=1e-5, atol=1e-6)
+
+
+PROMPTS = [20, 9, 33]
+# Prefill, then decode; row 1 misses two steps, row 2 is preempted at step 25 and recomputes.
+SCHEDULE = ([({0: 20, 1: 9, 2: 33}, ())] + [({0: 1, 1: 1, 2: 1}, ())] * 10
+            + [({0: 1, 2: 1}, ())] * 2 + [({0: 1, 1: 1, 2: 1}, ())] * 11
+            + [({0: 1, 1: 1}, (2,)), ({0: 1, 1: 1, 2: 33 + 23}, ())] + [({0: 1, 1: 1, 2: 1}, ())] * 20)
+
+
+@pytest.mark.parametrize("budget", [
+    Budget(heavy=4, recent=4, interval=4), Budget(heavy=4, recent=4, interval=40),
+    Budget(heavy=3, recent=5, interval=6, sinks=1, decay=0.9, obs_window=4),
+    Budget(heavy=3, recent=5, interval=1, decay=0.95)],
+    ids=["paper", "paper-rare-compactions", "weighted", "every-step"])
+def test_deferred_scores_equal_scoring_every_step(budget):
+    _, decisions = _run(budget, SCHEDULE, PROMPTS, _settled_rows_agree)
+    flushed = [d.flush.num_queries for d in decisions if d is not None and d.flush is not None]
+    stored = sum(0 if d.store_tokens is None else len(d.store_tokens) for d in decisions)
+    assert stored > 0 and flushed
+    if budget.interval > 1:  # queries really waited, and no more than MAX_PENDING
+        assert max(flushed) > 1 and max(flushed) <= deferred.MAX_PENDING
+
+
+def test_waiting_rows_flush_at_the_cap_and_void_requests_free_their_slot():
+    budget = Budget(heavy=100, recent=100, interval=16)  # never compacts: only the cap flushes
+    worlds, decisions = _run(budget, SCHEDULE, PROMPTS, _settled_rows_agree)
+    assert all(d.flush is None or d.flush.num_queries <= deferred.MAX_PENDING for d in decisions)
+    assert any(d.flush is not None and d.flush.num_queries == deferred.MAX_PENDING for d in decisions)
+    book = worlds[1].book
+    assert book._capacity == 3  # request 2's slot, freed when it was preempted, was reused
+    assert sorted(book._waiting) == ["r0", "r1", "r2"]
+
+
+def test_a_prefix_caching_step_scores_at_once():
+    """A step with prefix-cache work snapshots scores: waiting queries flush first, the step's
+    own decode queries are scored the usual way."""
+    budget = Budget(heavy=100, recent=100, interval=16)
+    plan = make_step_plan(torch.tensor([20]), torch.tensor([1]), torch.tensor([20]), [budget])
+    plan = dataclasses.replace(plan, req_ids=("r0",))
+    step = worker_step.make_step(plan, torch.arange(1, 3, dtype=torch.int32)[None], torch.tensor([20]), BLOCK)
+    book = deferred.PendingBook(BLOCK)
+    assert book.decide(step).store_tokens is not None
+    later = dataclasses.replace(plan, kv_seq_lens=plan.kv_seq_lens + 1)
+    with_prefix = dataclasses.replace(step, plan=later, prefix=object())
+    decision = book.decide(with_prefix)
+    assert decision.immediate and decision.store_tokens is None
+    assert decision.flush is not None and decision.flush.num_queries == 1
+    assert book.decide(with_prefix) is decision  # built twice for one step: decided once
