@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--omp-threads", default="1",
                    help="OMP_NUM_THREADS for the engines ('' = leave unset). 1 by default: on a shared "
                         "CPU, OpenMP spin-waits make 2-thread runs 5-10x slower and very noisy")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the configurations this many times in turn (per workload); the table "
+                        "then gives medians, each ratio to stock paired within its round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results/<date>-<host>)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one config
@@ -112,27 +115,24 @@ def main(argv=None) -> dict:
         "loadavg_before": os.getloadavg(), "command": " ".join([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]),
         "model": model, "num_blocks": num_blocks, "max_model_len": max_model_len,
         "kv_tokens": num_blocks * args.block_size, "args": vars(args)}, "runs": []}
-    bar = tqdm(total=len(configs) * len(workloads), desc="throughput", unit="config")
+    bar = tqdm(total=len(configs) * len(workloads) * args.repeat, desc="throughput", unit="config")
     for workload in workloads:
-        for label, policy, budget in configs:
-            bar.set_postfix_str(f"{workload}/{label}")
-            stem = out / "logs" / f"throughput-{workload}-{label}"
-            job = {"args": vars(args), "model": model, "workload": workload, "policy": policy,
-                   "budget": budget, "num_blocks": num_blocks, "max_model_len": max_model_len,
-                   "result": str(stem) + ".part.json"}
-            run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
-                   **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
-            result["runs"].append(run)
-            bar.update(1)
-            tqdm.write(f"{workload:9s} {label:9s} total {run['total_tok_s']:7.1f} tok/s  output "
-                       f"{run['output_tok_s']:7.1f} tok/s  running mean {run['mean_running']:5.1f} "
-                       f"peak {run['peak_running']:3d}  preemptions {run['num_preemptions']}")
+        for round_ in range(args.repeat):
+            for label, policy, budget in configs:
+                bar.set_postfix_str(f"{workload}/{label}")
+                stem = out / "logs" / (f"throughput-{workload}-{label}" + ("" if args.repeat == 1 else f"-{round_}"))
+                job = {"args": vars(args), "model": model, "workload": workload, "policy": policy,
+                       "budget": budget, "num_blocks": num_blocks, "max_model_len": max_model_len,
+                       "result": str(stem) + ".part.json"}
+                run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
+                       "round": round_, **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
+                result["runs"].append(run)
+                bar.update(1)
+                tqdm.write(f"{workload:9s} {label:9s} total {run['total_tok_s']:7.1f} tok/s  output "
+                           f"{run['output_tok_s']:7.1f} tok/s  running mean {run['mean_running']:5.1f} "
+                           f"peak {run['peak_running']:3d}  preemptions {run['num_preemptions']}")
     bar.close()
-    for run in result["runs"]:
-        stock = next((r for r in result["runs"] if r["workload"] == run["workload"] and r["policy"] == "stock"), None)
-        if stock:
-            run["total_ratio_to_stock"] = run["total_tok_s"] / stock["total_tok_s"]
-            run["output_ratio_to_stock"] = run["output_tok_s"] / stock["output_tok_s"]
+    add_ratios(result["runs"])
     result["meta"]["loadavg_after"] = os.getloadavg()
     (out / "throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "throughput.md").write_text(markdown_table(result))
@@ -141,24 +141,61 @@ def main(argv=None) -> dict:
     return result
 
 
+def add_ratios(runs: list[dict]) -> None:
+    """Each run's throughput over stock vLLM's in the same workload and round."""
+    for run in runs:
+        stock = next((r for r in runs if r["workload"] == run["workload"] and r["policy"] == "stock"
+                      and r.get("round", 0) == run.get("round", 0)), None)
+        if stock:
+            run["total_ratio_to_stock"] = run["total_tok_s"] / stock["total_tok_s"]
+            run["output_ratio_to_stock"] = run["output_tok_s"] / stock["output_tok_s"]
+
+
+def medians(runs: list[dict]) -> list[dict]:
+    """One row per (workload, config) over the rounds: the median of each number (ratios:
+    of the paired ratios), with the ratios' range."""
+    import statistics
+    rows = []
+    for key in dict.fromkeys((r["workload"], r["config"]) for r in runs):
+        group = [r for r in runs if (r["workload"], r["config"]) == key]
+        row = {k: (statistics.median(r[k] for r in group) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and all(k in r for r in group) else v) for k, v in group[0].items()}
+        ratios = [r["total_ratio_to_stock"] for r in group if "total_ratio_to_stock" in r]
+        if ratios:
+            row["total_ratio_range"] = (min(ratios), max(ratios))
+        row["rounds"] = len(group)
+        rows.append(row)
+    return rows
+
+
 def markdown_table(result: dict) -> str:
     """The README table of one run, straight from its JSON (no number typed by hand). A hybrid
-    model's table adds the blocks held by its global (H2O's) and sliding-window layers."""
+    model's table adds the blocks held by its global (H2O's) and sliding-window layers. With
+    ``--repeat``, medians over the rounds and the range of the paired ratios."""
     names = {"stock": "stock vLLM", "full": "full (tracking only)"}
     hybrid = any("sliding" in r.get("held_blocks", {}) for r in result["runs"])
+    repeated = result["meta"]["args"].get("repeat", 1) > 1
     lines = ["| workload | config | total tok/s | output tok/s | x stock (total) | running mean / peak "
              "| KV blocks mean / peak |" + (" held global / sliding: mean (peak) |" if hybrid else "")
              + " preemptions |", "|---|---|---|---|---|---|---|---|" + ("---|" if hybrid else "")]
-    for r in result["runs"]:
+    if repeated:
+        lines[0] = lines[0].replace("| x stock (total) |", "| x stock (total): median (range) |")
+    for r in (medians(result["runs"]) if repeated else result["runs"]):
         ratio = r.get("total_ratio_to_stock")
         held = r.get("held_blocks", {})
         split = " / ".join(f"{held[k]['mean']:.1f} ({held[k]['peak']})" for k in ("global", "sliding") if k in held)
         lines.append(
             f"| {r['workload']} | {names.get(r['config'], 'H2O ' + r['config'][4:] if r['policy'] == 'h2o' else r['config'])} "
-            f"| {r['total_tok_s']:.1f} | {r['output_tok_s']:.1f} | {'' if ratio is None else f'{ratio:.2f}'} "
+            f"| {r['total_tok_s']:.1f} | {r['output_tok_s']:.1f} | {_ratio(ratio, r.get('total_ratio_range'))} "
             f"| {r['mean_running']:.1f} / {r['peak_running']} | {r['mean_blocks_used']:.1f} / {r['peak_blocks_used']} "
             + (f"| {split} " if hybrid else "") + f"| {r['num_preemptions']} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(ratio: float | None, spread: tuple[float, float] | None) -> str:
+    if ratio is None:
+        return ""
+    return f"{ratio:.2f}" if spread is None else f"{ratio:.2f} ({spread[0]:.2f}-{spread[1]:.2f})"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -168,8 +205,9 @@ def plot(result: dict, path: Path) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in result["runs"]))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    repeated = result["meta"]["args"].get("repeat", 1) > 1
     for workload in workloads:
-        runs = [r for r in result["runs"] if r["workload"] == workload]
+        runs = [r for r in (medians(result["runs"]) if repeated else result["runs"]) if r["workload"] == workload]
         labels = [r["config"] for r in runs]
         axes[0].plot(labels, [r["total_tok_s"] for r in runs], marker="o", label=workload)
         axes[1].plot(labels, [r["mean_running"] for r in runs], marker="o", label=f"{workload} mean")
