@@ -34,9 +34,10 @@ def soft_cap_(logits: torch.Tensor, softcap: float) -> None:
 class DecodeIndex:
     """Where rows of decode queries read their keys; built once per step, read by every layer."""
     blocks: torch.Tensor   # int64 [R * nb]: each row's first nb blocks, row-major
-    # bool [R, 1, T, 1, nb * block_size]: True where key position >= the kv length query t of
-    # the row saw (T = 1: this step's one query per row; ``deferred.py``: a row's pending queries)
-    padding: torch.Tensor
+    # fp32 [R, 1, T, 1, nb * block_size], added to the logits: -inf where the key position is
+    # past the kv length query t of the row saw, else 0 (T = 1: this step's one query per row;
+    # ``deferred.py``: a row's waiting queries). An add, where a broadcast masked_fill is slow.
+    bias: torch.Tensor
     # Weighted steps only (else None): the blocks holding each row's live tokens, and the row
     # of each. ``blocks`` cannot be scaled: a short row's entries past its length are stale
     # and may name another row's blocks (adding 0 there is harmless, scaling is not).
@@ -58,8 +59,9 @@ def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_siz
         live = torch.arange(num_row_blocks)[None, :] * block_size < row_lens[:, None]
         live_blocks = blocks[live]
         live_rows = torch.arange(blocks.shape[0])[:, None].expand_as(blocks)[live]
+    past = (pos[None, None, :] >= lens[:, :, None])[:, None, :, None, :]
     return DecodeIndex(blocks=blocks.flatten(),
-                       padding=(pos[None, None, :] >= lens[:, :, None])[:, None, :, None, :],
+                       bias=torch.zeros(past.shape).masked_fill_(past, float("-inf")),
                        live_blocks=live_blocks, live_rows=live_rows)
 
 
@@ -101,30 +103,39 @@ def accumulate_row_queries(query: torch.Tensor, key_blocks: torch.Tensor, scores
                            index: DecodeIndex, scale: float, weights: torch.Tensor | None = None,
                            factor: torch.Tensor | None = None, softcap: float = 0.0,
                            sinks: torch.Tensor | None = None) -> None:
-    """T queries per row, each over the keys its kv length allows (``index.padding``):
+    """T queries per row, each over the keys its kv length allows (``index.bias``):
     scores = factor[row] * scores + sum_t weights[row, t] * probs_t (weights None: all 1;
     factor needs ``decode_index(..., weighted=True)``). query: [R, T, num_heads, head_size].
 
-    Each (row, block, KV head) key tile is already a contiguous [head_size, block_size]
-    matrix in the cache, so one broadcast matmul takes it as is, a row's T x group queries at
-    once: no transposed copy of K, and K read once for all of them.
+    One query per row (any number of rows): each (row, block, KV head) key tile is already a
+    contiguous [head_size, block_size] matrix in the cache, so one broadcast matmul takes K
+    as gathered. Several queries per row (``deferred.py``: few rows flush at a time): K is
+    gathered as [KV head, head_size, keys] and each row is one GEMM of its T x group queries
+    against all its keys, landing in the softmax's layout; per-block tiles there would be
+    GEMMs of 32 columns and a transposed copy of the logits (1.3-1.7x slower at T = 16).
     """
     num_rows, num_queries, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
     group = num_heads // num_kv_heads
     num_row_blocks = index.blocks.shape[0] // num_rows
-    k = as_fp32(key_blocks.index_select(0, index.blocks))
-    k = k.view(num_rows, num_row_blocks, num_kv_heads, head_size, block_size)
+    num_keys = num_row_blocks * block_size
     # Scaled before the product, as in prefill.py: one small multiply instead of one over the logits.
     q = (as_fp32(query) * scale).view(num_rows, num_queries, num_kv_heads, group, head_size)
-    if num_queries > 1:
-        q = q.transpose(1, 2)
-    q = q.reshape(num_rows, 1, num_kv_heads, num_queries * group, head_size)
-    logits = torch.matmul(q, k)                                     # [R, nb, Hkv, T * G, bs]
+    if num_queries == 1:
+        k = as_fp32(key_blocks.index_select(0, index.blocks))
+        k = k.view(num_rows, num_row_blocks, num_kv_heads, head_size, block_size)
+        logits = torch.matmul(q.view(num_rows, 1, num_kv_heads, group, head_size), k)  # [R, nb, Hkv, G, bs]
+        logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, 1, group, num_keys)
+    else:
+        k = as_fp32(key_blocks.permute(1, 2, 0, 3).index_select(2, index.blocks))
+        k = k.view(num_kv_heads, head_size, num_rows, num_keys)
+        q = q.transpose(1, 2).reshape(num_rows, num_kv_heads, num_queries * group, head_size)
+        logits = q.new_empty(num_rows, num_kv_heads, num_queries * group, num_keys)
+        for row in range(num_rows):
+            torch.matmul(q[row], k[:, :, row], out=logits[row])
+        logits = logits.view(num_rows, num_kv_heads, num_queries, group, num_keys)
     soft_cap_(logits, softcap)
-    logits = logits.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, num_queries, group,
-                                                    num_row_blocks * block_size)
-    logits.masked_fill_(index.padding, float("-inf"))
+    logits.add_(index.bias)
     if sinks is None:
         probs = logits.softmax(dim=-1)
     else:  # the sink is one more entry of each softmax, and nobody's score

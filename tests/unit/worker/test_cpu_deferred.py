@@ -137,3 +137,29 @@ def test_a_prefix_caching_step_scores_at_once():
     assert decision.immediate and decision.store_tokens is None
     assert decision.flush is not None and decision.flush.num_queries == 1
     assert book.decide(with_prefix) is decision  # built twice for one step: decided once
+
+
+@pytest.mark.parametrize("shaping", [{}, {"softcap": 1.5}, {"sinks": torch.linspace(-1, 3, NUM_KV_HEADS * GROUP)}],
+                         ids=["plain", "softcap", "sinks"])
+def test_a_rows_waiting_queries_score_as_one_query_a_step(shaping):
+    """``accumulate_row_queries`` with T queries per row (its per-row GEMM) equals T
+    one-query passes (the broadcast tiles), each query over the keys it saw, decay folded."""
+    from h2o_vllm.worker.cpu.scores import accumulate_row_queries, decode_index, scale_blocks
+    gen = torch.Generator().manual_seed(3)
+    world = World(2, defer=True)
+    kv_lens = torch.tensor([[30, 31, 32, 1], [40, 41, 42, 43]])  # row 0: 3 waiting, padded
+    weights = torch.tensor([[0.5, 0.7, 1.0, 0.0], [0.2, 0.3, 0.4, 1.0]])
+    factor = torch.tensor([0.9, 0.8])
+    query = torch.randn(2, 4, NUM_KV_HEADS * GROUP, HEAD, generator=gen)
+    together = world.scores.clone()
+    accumulate_row_queries(query, world.views.key_blocks, together,
+                           decode_index(world.table, kv_lens, BLOCK, weighted=True), HEAD ** -0.5,
+                           weights, factor, **shaping)
+    one_by_one = world.scores.clone()
+    live = decode_index(world.table, kv_lens, BLOCK, weighted=True)
+    scale_blocks(one_by_one, live.live_blocks, factor[live.live_rows])
+    for t in range(4):
+        accumulate_row_queries(query[:, t:t + 1], world.views.key_blocks, one_by_one,
+                               decode_index(world.table, kv_lens[:, t], BLOCK), HEAD ** -0.5,
+                               weights[:, t:t + 1], **shaping)
+    torch.testing.assert_close(together, one_by_one, rtol=1e-5, atol=1e-6)
