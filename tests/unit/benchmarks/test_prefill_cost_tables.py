@@ -3,20 +3,13 @@ loads per length), the bench command each load gets, and the ratio rows, table a
 both loads. tests/engine/test_benchmarks_run.py runs the script end to end against real servers
 at the single load only: the concurrent load differs only in the numbers checked here (each
 bench run there is a subprocess importing vLLM, ~20-30 s on 2 cores)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def prefill_cost():
-    spec = importlib.util.spec_from_file_location("bench_prefill_cost", BENCHMARKS / "prefill_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("prefill_cost")
 
 
 def _opt(cmd, flag):

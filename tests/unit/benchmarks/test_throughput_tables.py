@@ -1,20 +1,13 @@
 """benchmarks/throughput.py's tables without engines: ratios paired within a round, and with
 ``--repeat`` the medians over rounds with the ratios' range (tests/engine/test_benchmarks_run.py
 runs the script end to end once)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def throughput():
-    spec = importlib.util.spec_from_file_location("bench_throughput", BENCHMARKS / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("throughput")
 
 
 def _run(config, round_, tok_s):
