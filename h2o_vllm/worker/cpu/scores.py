@@ -61,7 +61,7 @@ def decode_index(block_table: torch.Tensor, kv_seq_lens: torch.Tensor, block_siz
         live_rows = torch.arange(blocks.shape[0])[:, None].expand_as(blocks)[live]
     past = (pos[None, None, :] >= lens[:, :, None])[:, None, :, None, :]
     return DecodeIndex(blocks=blocks.flatten(),
-                       bias=torch.zeros(past.shape).masked_fill_(past, float("-inf")),
+                       bias=torch.zeros(past.shape, dtype=torch.float32).masked_fill_(past, float("-inf")),
                        live_blocks=live_blocks, live_rows=live_rows)
 
 
