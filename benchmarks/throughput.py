@@ -22,6 +22,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 DEFAULT_CONFIGS = "stock,full,h2o:0.5,h2o:0.2,h2o:0.1"
+#: ``stock@b256``: the configuration's engine takes at most 256 tokens a step (vLLM's own
+#: chunked prefill, ``max_num_batched_tokens``), the baseline that bounds a prompt's peak
+#: without H2O.
+BATCH_SUFFIX = "@b"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma list: stock, full (H2O, budget above every length), h2o:<budget>, "
-                        "local:<budget> (recent only); budget = fraction of the prompt")
+                        "local:<budget> (recent only); budget = fraction of the prompt. Any policy "
+                        f"may end in {BATCH_SUFFIX}<N>: that engine steps at most N tokens "
+                        "(max_num_batched_tokens, vLLM's chunked prefill), e.g. stock@b256")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--stock-concurrency", type=float, default=2.0,
                    help="size the KV pool so stock vLLM fits this many full-length sequences")
@@ -55,12 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_config(spec: str) -> tuple[str, str, float | None]:
-    """'h2o:0.2' -> (label, policy, budget)."""
-    policy, _, budget = spec.partition(":")
+def parse_config(spec: str) -> tuple[str, str, float | None, int | None]:
+    """'h2o:0.2' -> (label, policy, budget, None); 'stock@b256' -> ('stock@b256', 'stock',
+    None, 256): the last is the engine's max_num_batched_tokens (None: --max-num-batched-tokens)."""
+    name, _, budget = spec.partition(":")
+    policy, _, batched = name.partition(BATCH_SUFFIX)
+    if batched and not batched.isdigit():
+        raise ValueError(f"{spec!r}: a policy, then {BATCH_SUFFIX}<tokens per step>, e.g. stock{BATCH_SUFFIX}256")
+    tokens = int(batched) if batched else None
     if policy in ("stock", "full"):
-        return policy, policy, None
-    return f"{policy}-{round(float(budget) * 100):g}%", policy, float(budget)
+        return name, policy, None, tokens
+    return f"{name}-{round(float(budget) * 100):g}%", policy, float(budget), tokens
 
 
 def run_one(job: dict) -> dict:
@@ -76,7 +87,7 @@ def run_one(job: dict) -> dict:
     started = time.perf_counter()
     llm = LLM(job["model"], disable_log_stats=False, dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,
               num_gpu_blocks_override=job["num_blocks"], max_model_len=job["max_model_len"],
-              max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=a["max_num_batched_tokens"],
+              max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
               enforce_eager=not a["no_enforce_eager"], seed=a["seed"], **extra)
     startup_s = time.perf_counter() - started
     if job["workload"] == "synthetic":
@@ -118,14 +129,15 @@ def main(argv=None) -> dict:
     bar = tqdm(total=len(configs) * len(workloads) * args.repeat, desc="throughput", unit="config")
     for workload in workloads:
         for round_ in range(args.repeat):
-            for label, policy, budget in configs:
+            for label, policy, budget, batched in configs:
                 bar.set_postfix_str(f"{workload}/{label}")
                 stem = out / "logs" / (f"throughput-{workload}-{label}" + ("" if args.repeat == 1 else f"-{round_}"))
                 job = {"args": vars(args), "model": model, "workload": workload, "policy": policy,
                        "budget": budget, "num_blocks": num_blocks, "max_model_len": max_model_len,
+                       "max_num_batched_tokens": batched or args.max_num_batched_tokens,
                        "result": str(stem) + ".part.json"}
                 run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
-                       "round": round_, **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
+                       "max_num_batched_tokens": job["max_num_batched_tokens"], "round": round_, **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
                 result["runs"].append(run)
                 bar.update(1)
                 tqdm.write(f"{workload:9s} {label:9s} total {run['total_tok_s']:7.1f} tok/s  output "
@@ -144,8 +156,10 @@ def main(argv=None) -> dict:
 def add_ratios(runs: list[dict]) -> None:
     """Each run's throughput over stock vLLM's in the same workload and round."""
     for run in runs:
-        stock = next((r for r in runs if r["workload"] == run["workload"] and r["policy"] == "stock"
-                      and r.get("round", 0) == run.get("round", 0)), None)
+        # plain stock vLLM first: a stock@b<N> run is a configuration compared with it
+        stock = min((r for r in runs if r["workload"] == run["workload"] and r["policy"] == "stock"
+                     and r.get("round", 0) == run.get("round", 0)),
+                    key=lambda r: r["config"] != "stock", default=None)
         if stock:
             run["total_ratio_to_stock"] = run["total_tok_s"] / stock["total_tok_s"]
             run["output_ratio_to_stock"] = run["output_tok_s"] / stock["output_tok_s"]
@@ -172,7 +186,9 @@ def markdown_table(result: dict) -> str:
     """The README table of one run, straight from its JSON (no number typed by hand). A hybrid
     model's table adds the blocks held by its global (H2O's) and sliding-window layers. With
     ``--repeat``, medians over the rounds and the range of the paired ratios."""
-    names = {"stock": "stock vLLM", "full": "full (tracking only)"}
+    names = {"stock": "stock vLLM", "full": "full (tracking only)",
+             **{r["config"]: f"stock vLLM, {r['max_num_batched_tokens']} tokens a step" for r in result["runs"]
+                if r["policy"] == "stock" and r["config"] != "stock"}}
     hybrid = any("sliding" in r.get("held_blocks", {}) for r in result["runs"])
     repeated = result["meta"]["args"].get("repeat", 1) > 1
     lines = ["| workload | config | total tok/s | output tok/s | x stock (total) | running mean / peak "

@@ -37,3 +37,17 @@ def test_one_round_keeps_one_row_per_run(throughput):
     throughput.add_ratios(runs)
     table = throughput.markdown_table({"meta": {"args": {"repeat": 1}}, "runs": runs})
     assert "| synthetic | full (tracking only) | 45.0 | 22.5 | 0.90 |" in table
+
+
+def test_a_stock_engine_with_shorter_steps_is_a_configuration_against_plain_stock(throughput):
+    assert throughput.parse_config("stock@b256") == ("stock@b256", "stock", None, 256)
+    assert throughput.parse_config("h2o@c256@b512:0.2") == ("h2o@c256@b512-20%", "h2o@c256", 0.2, 512)
+    assert throughput.parse_config("h2o:0.2") == ("h2o-20%", "h2o", 0.2, None)
+    with pytest.raises(ValueError, match="stock@b256"):
+        throughput.parse_config("stock@bx")
+    runs = [{**_run("stock@b256", 0, 60.0), "policy": "stock", "max_num_batched_tokens": 256},
+            _run("stock", 0, 50.0)]
+    throughput.add_ratios(runs)
+    assert [r["total_ratio_to_stock"] for r in runs] == pytest.approx([1.2, 1.0])
+    table = throughput.markdown_table({"meta": {"args": {"repeat": 1}}, "runs": runs})
+    assert "| synthetic | stock vLLM, 256 tokens a step | 60.0 | 30.0 | 1.20 |" in table
