@@ -1,13 +1,17 @@
 """The CPU's ``DeviceOps``: its cache layout, torch attention and scores, torch compaction.
 
 Runs in the worker process. Keys are read in the cache's own layout (``layout.py``); the
-decode rows' key blocks are indexed once per step (``DecodeIndex``) and every layer reuses it.
+decode rows' key blocks are indexed once per step (``DecodeIndex``), by the first layer that
+scores them at once, and every later layer reuses it.
 Rows with several queries get their attention and scores from one softmax (``prefill.py``);
 decode rows keep vLLM's kernel, and their probabilities are recomputed (``scores.py``), in
 the engine a row's queries together when its scores are next needed (``deferred.py``).
 Compaction is the kernels' plain-torch twin, which takes strided views as they are.
 """
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -23,12 +27,14 @@ class CPUOps:
     def cache_views(self, kv_cache: torch.Tensor) -> CacheViews:
         return cache_views(kv_cache)
 
-    def step_index(self, step: H2OStep, block_size: int) -> DecodeIndex | None:
+    def step_index(self, step: H2OStep, block_size: int) -> Callable[[], DecodeIndex] | None:
+        """The decode rows' ``DecodeIndex``, built by the first layer that asks: on a step whose
+        decode queries all wait (``deferred.py``) no layer does."""
         if step.decode_rows is None:
             return None
         rows = step.decode_rows
-        return decode_index(step.block_table[rows], step.plan.kv_seq_lens[rows], block_size,
-                            weighted=step.score_scale is not None)
+        return functools.cache(lambda: decode_index(step.block_table[rows], step.plan.kv_seq_lens[rows],
+                                                    block_size, weighted=step.score_scale is not None))
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
                scores: torch.Tensor, scale: float, softcap: float = 0.0,
@@ -58,7 +64,7 @@ class CPUOps:
             return
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         tokens, rows = step.decode_tokens, step.decode_rows
-        accumulate_decode_scores_at(query[tokens], views.key_blocks, scores, step.device_index, scale,
+        accumulate_decode_scores_at(query[tokens], views.key_blocks, scores, step.device_index(), scale,
                                     None if weights is None else weights[tokens],
                                     None if factors is None else factors[rows], softcap, sinks)
 

@@ -163,3 +163,14 @@ def test_a_rows_waiting_queries_score_as_one_query_a_step(shaping):
                                decode_index(world.table, kv_lens[:, t], BLOCK), HEAD ** -0.5,
                                weights[:, t:t + 1], **shaping)
     torch.testing.assert_close(together, one_by_one, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_whose_decode_queries_all_wait_builds_no_immediate_index(monkeypatch):
+    from h2o_vllm.worker.cpu import ops as cpu_ops
+    built = []
+    real = cpu_ops.decode_index
+    monkeypatch.setattr(cpu_ops, "decode_index", lambda *a, **k: built.append(1) or real(*a, **k))
+    _run(Budget(heavy=4, recent=4, interval=4), SCHEDULE, PROMPTS, _settled_rows_agree)
+    # only the immediate world's steps with decode rows, once each (every layer would reuse it)
+    steps_with_decode_rows = sum(1 for scheduled, _ in SCHEDULE if 1 in scheduled.values())
+    assert len(built) == steps_with_decode_rows
