@@ -6,6 +6,7 @@ module imports ``h2o_vllm.kernels``. vLLM's CPU engines ignore it (its Triton ch
 finds no CPU backend), so the engine tiers run as they would without it.
 """
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -46,3 +47,16 @@ def smollm2_dir() -> Path:
 def gemma3_dir() -> Path:
     """Gemma 3 270M (hybrid sliding-window), cached like SmolLM2 (~2.3 min on the first run)."""
     return models.gemma3_dir()
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """benchmarks/<name>.py as a module: the scripts are files, not a package."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -120,9 +120,8 @@ def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: to
     if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
         budgets.retain(live)
     plan = make_step_plan(num_computed, query_lens, prompt_lens, rows)
-    plan = dataclasses.replace(plan, prefix=prefix_plan(orders, req_ids), req_ids=tuple(req_ids),
+    return dataclasses.replace(plan, prefix=prefix_plan(orders, req_ids), req_ids=tuple(req_ids),
                                void_ids=frozenset(void_ids))
-    return plan
 
 
 def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,

@@ -4,27 +4,16 @@ Not a measurement: benchmarks/README.md has the real commands. Each config still
 fresh engine in a subprocess, as the real runs do (~20 s each on 2 cores); prefix_serving.py
 starts a fresh `h2o-vllm serve` per side (~30-50 s each).
 """
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_throughput_benchmark_runs(tiny_llama_dir, tmp_path):
+def test_throughput_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """The default pool (room for 2 full sequences: 6 blocks of 32) admits two 40-token prompts
     that then outgrow it: stock vLLM preempts, and vLLM's own counter says so."""
     out = tmp_path / "throughput"
-    result = _load("throughput").main([
+    result = load_benchmark("throughput").main([
         "--model", str(tiny_llama_dir), "--workloads", "synthetic", "--configs", "stock,h2o:0.2",
         "--num-requests", "3", "--prompt-len", "40", "--output-len", "56", "--out", str(out)])
     saved = json.loads((out / "throughput.json").read_text())
@@ -39,9 +28,9 @@ def test_throughput_benchmark_runs(tiny_llama_dir, tmp_path):
     assert result["meta"]["num_blocks"] == saved["meta"]["num_blocks"]
 
 
-def test_quality_benchmark_runs(tiny_llama_dir, tmp_path):
+def test_quality_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
     out = tmp_path / "quality"
-    _load("quality").main([
+    load_benchmark("quality").main([
         "--model", str(tiny_llama_dir), "--texts", "gpl3", "--budgets", "0.5,0.2",
         "--policies", "h2o,local,window+sinks", "--ppl-prompt-len", "40", "--ppl-continuation-len", "8", "--gen-prompts", "2",
         "--gen-prompt-len", "40", "--gen-len", "8", "--passkey-samples", "2", "--passkey-filler", "40",
@@ -57,12 +46,12 @@ def test_quality_benchmark_runs(tiny_llama_dir, tmp_path):
         assert 0.0 <= entry["rouge_l"] <= 1.0 and 0.0 <= entry["passkey_accuracy"] <= 1.0
 
 
-def test_prefix_serving_benchmark_runs(tiny_llama_dir, tmp_path):
+def test_prefix_serving_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """One of the three sides against a real server (the other two differ only in their flags,
     checked here without a server; one server instead of two saves ~100 s of the suite): vLLM's
     bench serve completes every request, the hit rate comes from the server's counters, H2O's
     score records from its gauge and stay within their bound."""
-    module = _load("prefix_serving")
+    module = load_benchmark("prefix_serving")
     args = module.parse_args(["--tiny", "--num-blocks", "20"])
     args.max_model_len = 192
     flags = {side: module.side_flags(args, side) for side in module.SIDES}
@@ -91,14 +80,14 @@ def test_prefix_serving_benchmark_runs(tiny_llama_dir, tmp_path):
     assert 0 < h2o["score_record_fraction_of_kv"] <= 2 / (shape["head_dim"] * 4)
 
 
-def test_prefill_cost_benchmark_runs(tiny_llama_dir, tmp_path):
+def test_prefill_cost_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """Stock and paper H2O, each against its own server: vLLM's bench serve completes every
     request, and the table carries H2O's TTFT as a ratio of stock's. One load (single): each
     bench run is a subprocess importing vLLM (~20-30 s here); the concurrent load differs only
     in --num-prompts / --max-concurrency and its table rows, which
     tests/unit/benchmarks/test_prefill_cost_tables.py checks without servers."""
     out = tmp_path / "prefill"
-    _load("prefill_cost").main([
+    load_benchmark("prefill_cost").main([
         "--model", str(tiny_llama_dir), "--sides", "stock,h2o", "--lengths", "96", "--output-len", "8",
         "--single-prompts", "1", "--concurrent-prompts", "0", "--omp-threads", "1", "--out", str(out)])
     saved = json.loads((out / "prefill_cost.json").read_text())
@@ -114,10 +103,10 @@ def test_prefill_cost_benchmark_runs(tiny_llama_dir, tmp_path):
     assert (out / "prefill_cost.md").read_text().count("\n") == 3  # header, rule, one row
 
 
-def test_prefill_profile_runs(tiny_llama_dir, tmp_path):
+def test_prefill_profile_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """Every part of an H2O prefill is timed and the parts add up to the wall time."""
     out = tmp_path / "profile"
-    results = _load("prefill_profile").main([
+    results = load_benchmark("prefill_profile").main([
         "--model", str(tiny_llama_dir), "--configs", "h2o:0.2", "--prompt-len", "96", "--out", str(out)])
     parts = results[0]["parts_s"]
     assert parts["H2O attention + scores"] > 0 and parts["H2O compaction"] > 0

@@ -4,26 +4,15 @@ scripts they call have their own run: test_benchmarks_run.py).
 
 Not a measurement: benchmarks/README.md has the real commands.
 """
-import importlib.util
 import json
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_long_prompts", BENCHMARKS / "long_prompts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_capacity_runs(tiny_llama_dir, tmp_path):
+def test_capacity_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """A 200-token prompt, a 160-token pool: H2O holding the prompt whole refuses the request,
     H2O with prefill chunks completes within its predicted peak. (Stock vLLM refusing to start
     is vLLM's own check, left out to keep this under a minute.)"""
     out = tmp_path / "capacity"
-    result = _load().main(["capacity", "--model", str(tiny_llama_dir), "--lengths", "200",
+    result = load_benchmark("long_prompts").main(["capacity", "--model", str(tiny_llama_dir), "--lengths", "200",
                            "--output-len", "8", "--num-blocks", "6",
                            "--configs", "h2o-req:0.2,tokens@c32:16+16", "--out", str(out)])
     saved = json.loads((out / "capacity.json").read_text())
@@ -36,8 +25,8 @@ def test_capacity_runs(tiny_llama_dir, tmp_path):
     assert 0 < chunked["peak_blocks_allocated"] <= chunked["predicted_peak_blocks"] <= 5
 
 
-def test_throughput_and_quality_flags(tmp_path):
-    module = _load()
+def test_throughput_and_quality_flags(load_benchmark, tmp_path):
+    module = load_benchmark("long_prompts")
     args = module.parse_args(["throughput"])
     argv = module.throughput_argv(args, "M", tmp_path)
     assert argv[argv.index("--num-blocks") + 1] == str(2 * 65 + 1)  # two 2,064-token sequences + null

@@ -4,11 +4,10 @@ both loads. tests/engine/test_benchmarks_run.py runs the script end to end again
 at the single load only: the concurrent load differs only in the numbers checked here (each
 bench run there is a subprocess importing vLLM, ~20-30 s on 2 cores)."""
 import pytest
-from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
-def prefill_cost():
+def prefill_cost(load_benchmark):
     return load_benchmark("prefill_cost")
 
 

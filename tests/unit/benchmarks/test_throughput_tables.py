@@ -2,11 +2,10 @@
 ``--repeat`` the medians over rounds with the ratios' range (tests/engine/test_benchmarks_run.py
 runs the script end to end once)."""
 import pytest
-from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
-def throughput():
+def throughput(load_benchmark):
     return load_benchmark("throughput")
 
 
