@@ -137,7 +137,8 @@ def main(argv=None) -> dict:
                        "max_num_batched_tokens": batched or args.max_num_batched_tokens,
                        "result": str(stem) + ".part.json"}
                 run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
-                       "max_num_batched_tokens": job["max_num_batched_tokens"], "round": round_, **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
+                       "max_num_batched_tokens": job["max_num_batched_tokens"], "round": round_,
+                       **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
                 result["runs"].append(run)
                 bar.update(1)
                 tqdm.write(f"{workload:9s} {label:9s} total {run['total_tok_s']:7.1f} tok/s  output "

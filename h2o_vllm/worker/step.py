@@ -54,7 +54,8 @@ class H2OStep:
     max_prefill_query_len: int
     max_prefill_kv_len: int
     due: tuple[DueGroup, ...]
-    device_index: Any = None           # what the device's ops precompute once per step (CPU: a call that builds it on first use)
+    # What the device's ops precompute once per step (the CPU's: a call that builds it on first use).
+    device_index: Any = None
     # Decay and query weights (StepPlan.query_weights / score_scale) on the device; None on
     # an unweighted (paper H2O) step. Indexed like the queries: query_weight by token
     # (decode_tokens, prefill_tokens), score_scale by row (decode_rows, prefill_rows).
