@@ -58,7 +58,7 @@ class H2OConfig:
       ``prefill_chunk`` tokens (and at its end), and the cadence applies at the end of each
       chunk as it does after each decode token: a chunk's queries see what earlier chunks
       kept plus the chunk itself, and a sequence's peak is about budget + interval + chunk,
-      not its prompt (ARCHITECTURE.md, "Prefill chunks"). With ``obs_window`` each chunk is
+      not its prompt (docs/semantics.md, "Prefill chunks"). With ``obs_window`` each chunk is
       scored by its own last ``obs_window`` queries. Unset: the prompt is held whole.
     """
 
@@ -195,20 +195,6 @@ class Budget:
     def tokens(self) -> int:
         """sinks + heavy + recent: the size the cache is compacted back to."""
         return self.sinks + self.heavy + self.recent
-
-    def query_weight(self, position: int, prompt_len: int) -> float:
-        """How much the query at logical ``position`` adds to the scores (before decay): with
-        an observation window, a prompt query counts only among the last ``obs_window`` of
-        its prefill chunk (the whole prompt without ``prefill_chunk``)."""
-        if self.obs_window is None or position >= prompt_len:
-            return 1.0
-        return 0.0 if position < self.chunk_end(position, prompt_len) - self.obs_window else 1.0
-
-    def chunk_end(self, position: int, prompt_len: int) -> int:
-        """Where the prefill chunk holding prompt ``position`` ends (exclusive)."""
-        if self.prefill_chunk is None:
-            return prompt_len
-        return min((position // self.prefill_chunk + 1) * self.prefill_chunk, prompt_len)
 
 
 #: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)

@@ -2,7 +2,9 @@
 
 Pure: torch and ``config`` only. The scheduler (engine-core process) and the workers evaluate
 ``kv_len_after`` on the same inputs, so they agree on every block count without exchanging a
-message; see ARCHITECTURE.md, "Shared deterministic rule".
+message; see docs/semantics.md, "Shared deterministic rule". Every cadence rule (prefill
+chunks, the observation window's scored queries, when compaction fires) is here, once, for ints
+(the scheduler) and for tensors of rows (the worker) alike.
 """
 from __future__ import annotations
 
@@ -33,11 +35,47 @@ def _maximum(a, b):
     return max(a, b)
 
 
-def _chunk(prompt_len: IntOrTensor, chunk) -> IntOrTensor:
-    """The prefill chunk a rule runs with: unset (None) is the whole prompt, one chunk."""
-    if chunk is not None:
-        return chunk
-    return prompt_len.clamp(min=1) if isinstance(prompt_len, torch.Tensor) else max(prompt_len, 1)
+def prompt_chunk(prompt_len: IntOrTensor, chunk) -> IntOrTensor:
+    """The prefill chunk every rule runs with: ``prefill_chunk``, or where unset (None; 0 in a
+    tensor of rows) the whole prompt, one chunk. The one place that says so."""
+    whole = prompt_len.clamp(min=1) if isinstance(prompt_len, torch.Tensor) else max(prompt_len, 1)
+    if chunk is None:
+        return whole
+    if isinstance(chunk, torch.Tensor):
+        return torch.where(chunk > 0, chunk, whole)
+    return chunk
+
+
+def chunk_end(position: IntOrTensor, prompt_len: IntOrTensor, chunk) -> IntOrTensor:
+    """Where the prefill chunk holding prompt ``position`` ends (exclusive): the next multiple
+    of the chunk, or the prompt's end (docs/semantics.md, "Prefill chunks")."""
+    chunk = prompt_chunk(prompt_len, chunk)
+    end = (position // chunk + 1) * chunk
+    return torch.minimum(end, prompt_len) if isinstance(end, torch.Tensor) else min(end, prompt_len)
+
+
+def first_scored(position: IntOrTensor, prompt_len: IntOrTensor, chunk, obs_window) -> IntOrTensor:
+    """The first position of the prefill chunk holding prompt ``position`` whose query adds to
+    the scores: the chunk's start, or with an observation window (``obs_window``; in a tensor
+    of rows, a huge value where unset) its last ``obs_window`` queries' first."""
+    size = prompt_chunk(prompt_len, chunk)
+    start = position // size * size
+    if obs_window is None:
+        return start
+    return _maximum(start, chunk_end(position, prompt_len, chunk) - obs_window)
+
+
+def query_counts(position: IntOrTensor, prompt_len: IntOrTensor, chunk, obs_window):
+    """Whether the query at logical ``position`` adds to the scores: every query past the
+    prompt, and a prompt query from its chunk's ``first_scored`` on (docs/semantics.md, "Score")."""
+    past = position >= prompt_len
+    scored = position >= first_scored(position, prompt_len, chunk, obs_window)
+    return past | scored if isinstance(past, torch.Tensor) else past or scored
+
+
+def query_weight(budget: Budget, position: int, prompt_len: int) -> float:
+    """How much the query at ``position`` adds to the scores before decay: 1 or 0."""
+    return 1.0 if query_counts(position, prompt_len, budget.prefill_chunk, budget.obs_window) else 0.0
 
 
 def _boundary_live(k: IntOrTensor, budget_tokens: IntOrTensor, interval: IntOrTensor,
@@ -45,7 +83,7 @@ def _boundary_live(k: IntOrTensor, budget_tokens: IntOrTensor, interval: IntOrTe
     """Live length right after the check at the ``k``-th chunk boundary inside the prompt
     (``k * chunk < prompt_len``): nothing is evicted until a boundary finds budget + interval
     tokens or more (boundary ``k1``), and from there one compaction every ``m`` chunks, each
-    back to the budget (ARCHITECTURE.md, "Prefill chunks")."""
+    back to the budget (docs/semantics.md, "Prefill chunks")."""
     k1, m = _compacting_boundaries(budget_tokens, interval, chunk)
     return _where(k < k1, k * chunk, budget_tokens + ((k - k1) % m) * chunk)
 
@@ -66,9 +104,9 @@ def first_compaction(prompt_len: IntOrTensor, budget_tokens: IntOrTensor, interv
                      chunk=None) -> IntOrTensor:
     """Tokens processed at a sequence's first compaction: the first prefill-chunk boundary
     that holds budget + interval tokens, else the prompt's end if it does, else the decode
-    step that reaches budget + interval (ARCHITECTURE.md, "Cadence"). Without ``chunk`` the
+    step that reaches budget + interval (docs/semantics.md, "Cadence"). Without ``chunk`` the
     prompt is never evicted: ``max(prompt_len, budget_tokens + interval)``."""
-    chunk = _chunk(prompt_len, chunk)
+    chunk = prompt_chunk(prompt_len, chunk)
     inside = _cdiv(budget_tokens + interval, chunk) * chunk
     return _where(inside < prompt_len, inside, _maximum(prompt_len, budget_tokens + interval))
 
@@ -84,7 +122,7 @@ def live_kv_len(tokens_processed: IntOrTensor, prompt_len: IntOrTensor,
     uninterrupted request would have: both sides only ever see this function. Elementwise on
     tensors (the worker's rows; ``chunk`` then a tensor too) and on ints (the scheduler's).
     """
-    t, chunk = tokens_processed, _chunk(prompt_len, chunk)
+    t, chunk = tokens_processed, prompt_chunk(prompt_len, chunk)
     k = t // chunk
     in_prompt = _boundary_live(k, budget_tokens, interval, chunk) + t - k * chunk
     _, at_end = _prompt_end(prompt_len, budget_tokens, interval, chunk)
@@ -103,7 +141,7 @@ def prefill_step_limit(num_computed: int, prompt_len: int, chunk: int | None) ->
     a chunk's end checks nothing, so how the scheduler splits a chunk changes no result."""
     if chunk is None or num_computed >= prompt_len:
         return None
-    return min((num_computed // chunk + 1) * chunk, prompt_len) - num_computed
+    return chunk_end(num_computed, prompt_len, chunk) - num_computed
 
 
 def kv_len_after(tokens_processed: int, prompt_len: int, budget: Budget) -> int:
@@ -116,7 +154,7 @@ def prompt_peak_kv_len(prompt_len: int, budget: Budget) -> int:
     """Most KV-space slots a sequence holds while its prompt is written: the live length
     before the check at the end of its fullest prefill chunk. The prompt itself without
     ``prefill_chunk``; at most budget + interval + chunk - 1 with it."""
-    chunk = _chunk(prompt_len, budget.prefill_chunk)
+    chunk = prompt_chunk(prompt_len, budget.prefill_chunk)
     b, i = budget.tokens, budget.interval
     last = _cdiv(prompt_len, chunk) - 1
     k1, m = _compacting_boundaries(b, i, chunk)
@@ -140,7 +178,7 @@ def peak_kv_len(prompt_len: int, max_len: int, budget: Budget) -> int:
     if last < prompt_len:
         return prompt_peak_kv_len(prompt_len, budget)
     b, i = budget.tokens, budget.interval
-    _, at_end = _prompt_end(prompt_len, b, i, _chunk(prompt_len, budget.prefill_chunk))
+    _, at_end = _prompt_end(prompt_len, b, i, prompt_chunk(prompt_len, budget.prefill_chunk))
     first_decode_compaction = prompt_len + b + i - at_end
     peak = at_end + min(first_decode_compaction - 1, last) - prompt_len
     if last >= first_decode_compaction:

@@ -8,7 +8,7 @@ WARNING) and refuses what the user asked for explicitly and H2O cannot run with;
 its model runner (V2 on CUDA; V1 on the CPU unless ``VLLM_USE_V2_MODEL_RUNNER=1`` under
 ``H2O_VLLM_TRITON_ON_CPU``), each with its runner hook (``vllm_hooks.runner``,
 ``vllm_hooks.runner_v2``); and async scheduling, since H2O's scheduler accounts each step's
-compaction when it schedules the step (``scheduler.step.cut_scheduled``).
+compaction when it schedules the step (``scheduler.events.cut_scheduled``).
 
 Why each setting:
 - Backend: H2O's builder and impl live in ``H2OTritonAttentionBackend``, registered as

@@ -1,6 +1,6 @@
 """Per-request H2O budgets (``extra_args`` / OpenAI ``vllm_xargs``) checked before queueing.
 
-Runs in process 0, called from the request-validation hooks (``vllm_hooks.requests``): a bad
+Runs in process 0, called from the request-validation hooks (``vllm_hooks.request_validation``): a bad
 override is a ``ValueError`` that the server answers with HTTP 400 and ``LLM.generate`` raises.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from h2o_vllm.config import (REQUEST_KEYS, REQUEST_PREFIX, config_from_additional, request_config,
                              request_overrides)
 from h2o_vllm.frontend.conflicts import FULL_LAYERS, SLIDING_LAYERS
-from h2o_vllm.policy import request_peak_blocks
+from h2o_vllm.policy import prompt_chunk, request_peak_blocks
 
 def _request_error(message: str, value) -> ValueError:
     """A ``ValueError`` that vLLM's async front end also maps to HTTP 400.
@@ -70,7 +70,7 @@ def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, ext
     full_groups, sliding_groups = kv_cache_group_counts(vllm_config)
     window_blocks = 0
     if sliding_groups:
-        step = min(prompt_len, budget.prefill_chunk or prompt_len,
+        step = min(prompt_len, prompt_chunk(prompt_len, budget.prefill_chunk),
                    vllm_config.scheduler_config.max_num_batched_tokens)
         window_blocks = sliding_peak_blocks(max_len, vllm_config.model_config.get_sliding_window(), step,
                                             cache.block_size)

@@ -43,7 +43,7 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
     group, go into ``cache.scores``. Returns [num_new, num_q_heads * head_dim] fp32 outputs.
 
     Score update, queries taken in order: ``s <- decay * s + weights[i] * p_i`` for each query
-    ``i`` (``Budget.decay``, ``Budget.query_weight``). With ``decay == 1`` and ``weights=None``
+    ``i`` (``Budget.decay``, ``oracle.cache.query_weight``). With ``decay == 1`` and ``weights=None``
     (the paper's H2O) this is the plain sum and runs no scaling at all; otherwise the scores
     from before the step are scaled by ``decay ** num_new`` once and query ``i`` adds
     ``decay ** (num_new - 1 - i) * weights[i] * p_i`` (``query_coefficients``). ``weights``:

@@ -147,10 +147,23 @@ class SequenceState:
         return True
 
     def query_weights(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """[n] fp32 ``Budget.query_weight`` of the queries at logical ``positions``, or None when
+        """[n] fp32 ``query_weight`` of the queries at logical ``positions``, or None when
         every one is 1 (no observation window in effect: the paper's plain sum)."""
         if self.budget is None or self.budget.obs_window is None:
             return None
-        weights = torch.tensor([self.budget.query_weight(int(p), self.prompt_len) for p in positions],
+        weights = torch.tensor([query_weight(self.budget, int(p), self.prompt_len) for p in positions],
                                dtype=torch.float32)
         return None if bool((weights == 1).all()) else weights
+
+
+def query_weight(budget: Budget, position: int, prompt_len: int) -> float:
+    """How much the query at logical ``position`` adds to the scores (before decay): with an
+    observation window, a prompt query counts only among the last ``obs_window`` of its prefill
+    chunk (the whole prompt without ``prefill_chunk``); every later query counts. The oracle's
+    own statement of the rule, on purpose: the engine's is ``policy.query_counts``, which the
+    oracle must not share (docs/semantics.md, "The oracle")."""
+    if budget.obs_window is None or position >= prompt_len:
+        return 1.0
+    chunk = budget.prefill_chunk or prompt_len
+    chunk_end = min((position // chunk + 1) * chunk, prompt_len)
+    return 0.0 if position < chunk_end - budget.obs_window else 1.0

@@ -31,7 +31,7 @@ class H2OManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: H2OAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        # Filled as requests are added (scheduler.step.add_request); a request the scheduler
+        # Filled as requests are added (scheduler.events.add_request); a request the scheduler
         # never announced runs with the engine's budget.
         self.budgets = RequestBudgets(kv_cache_spec.h2o, kv_cache_spec.block_size)
         self.prompt_lens: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """ScoreRecords: the scheduler's index of the H2O score records kept beside the prefix cache.
 
-Runs in the engine-core process; the workers hold the records' contents (``worker/prefix.py``)
+Runs in the engine-core process; the workers hold the records' contents (``worker/prefix_records.py``)
 and do what ``PrefixOrders`` tells them. Never touches a tensor.
 
 Why records: H2O's scores include the attention the prompt's own queries paid to earlier

@@ -3,7 +3,7 @@
 Manifest (each hook: target, why, upstream stand-in, remove when); the hooks live in the
 module of the process they run in: engine_args, requests (process 0), scheduler (engine core),
 runner and cpu_attention (worker). A wrapper only reads vLLM's objects and applies what a named
-function outside this package decides (``worker.plan``, ``scheduler.step``, ``scheduler.spec``,
+function outside this package decides (``worker.plan``, ``scheduler.events``, ``scheduler.spec``,
 ``frontend.settings``, ``frontend.requests``, ``metrics``); ``seam`` holds the lookup, wrapping
 and version-guard helpers every hook module uses.
 
@@ -32,12 +32,12 @@ and version-guard helpers every hook module uses.
   (``scheduler.spec.h2o_specs``).
 - ``install_scheduler_hook`` wraps ``Scheduler.add_request`` / ``Scheduler._free_blocks``.
   Why: a single-type KV-cache manager only sees request ids, not per-request budgets
-  (``SamplingParams.extra_args``): ``scheduler.step.add_request`` resolves each request's
+  (``SamplingParams.extra_args``): ``scheduler.events.add_request`` resolves each request's
   ``Budget`` into the managers' ``RequestBudgets``, ``finish_request`` drops it. Remove when
   managers receive the request.
 - ``install_scheduler_hook`` also wraps ``Scheduler.schedule``: once vLLM has counted the
   step's tokens, each scheduled request's block list is cut to what the step's compaction
-  leaves and the tail is freed (``scheduler.step.cut_scheduled``); ``H2OManager`` ignores
+  leaves and the tail is freed (``scheduler.events.cut_scheduled``); ``H2OManager`` ignores
   vLLM's own ``remove_skipped_blocks`` calls (processed-token basis). Why: the workers truncate
   their rows while they run the step, and under async scheduling the next step is scheduled
   before this one's output is processed; vLLM also frees skipped blocks lazily in
@@ -48,18 +48,18 @@ and version-guard helpers every hook module uses.
   adjustment vLLM makes to a request's tokens for a step (running and waiting requests both
   pass through it, after the token budget and ``long_prefill_token_threshold``): with
   ``prefill_chunk`` the step is cut at the request's next prefill-chunk end
-  (``scheduler.step.limit_prefill_step``). Why: vLLM has no per-request chunk alignment
+  (``scheduler.events.limit_prefill_step``). Why: vLLM has no per-request chunk alignment
   (``long_prefill_token_threshold`` is engine-wide and not aligned to positions); the
   cadence checks chunk ends, which must not depend on the batch. Upstream: a per-request
   prefill chunk limit in the scheduler. Remove when vLLM has one.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
   (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
-  ``scheduler.step.admission_watermark`` for that one call. Why: H2O sequences have a known, small
+  ``scheduler.events.admission_watermark`` for that one call. Why: H2O sequences have a known, small
   peak; vLLM admits greedily and preempts (recomputes) when running sequences then cannot grow.
   Upstream: a per-spec admission reserve hook in the KV-cache manager.
 - Prefix caching (docs/prefix-caching.md): ``install_scheduler_hook`` also wraps
   ``KVCacheManager.get_computed_blocks``, cutting a hit back to the longest boundary H2O can
-  resume exactly (``scheduler.prefix.cut_hit``), and the ``schedule`` / ``update_from_output``
+  resume exactly (``scheduler.prefix_hits.cut_hit``), and the ``schedule`` / ``update_from_output``
   hooks above carry the step's ``PrefixOrders`` on ``SchedulerOutput`` (attribute
   ``h2o_prefix``) and commit the score records a step wrote. ``install_runner_hook`` also
   wraps ``GPUModelRunner._update_states`` to take those orders and to give the rows that
@@ -149,9 +149,9 @@ def register_kv_cache_spec() -> None:
 
 # Re-exported: plugin.register() and the tests use the package as one namespace.
 from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.requests import install_request_validation_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.runner import install_runner_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.request_validation import install_request_validation_hook  # noqa: E402
+from h2o_vllm.vllm_hooks.runner_v1 import install_runner_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.runner_v2 import install_runner_v2_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.scheduler import (install_metrics_hooks, install_scheduler_hook,  # noqa: E402
+from h2o_vllm.vllm_hooks.engine_core import (install_metrics_hooks, install_scheduler_hook,  # noqa: E402
                                            share_env_with_ray_workers)
 from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu  # noqa: E402

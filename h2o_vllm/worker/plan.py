@@ -7,8 +7,8 @@ rank builds the same plan: it depends on the batch, never on heads.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +18,8 @@ import torch
 from h2o_vllm import metrics
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget
-from h2o_vllm.policy import first_compaction, live_kv_len
-from h2o_vllm.worker.prefix import prefix_plan
+from h2o_vllm.policy import first_compaction, live_kv_len, prompt_chunk, query_counts
+from h2o_vllm.worker.prefix_records import prefix_plan
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class StepPlan:
     decay: torch.Tensor | None = None          # [num_reqs] fp32
     query_weights: torch.Tensor | None = None  # [num_tokens] fp32, one per scheduled token
     score_scale: torch.Tensor | None = None    # [num_reqs] fp32
-    # Prefix caching: this step's orders by row (worker.prefix.PrefixPlan), None without any.
+    # Prefix caching: this step's orders by row (worker.prefix_records.PrefixPlan), None without any.
     prefix: Any = None
     # The request of each row, and the requests whose KV cache is gone or rebuilt since the
     # last step (finished, preempted, resumed): what state kept across steps is keyed by
@@ -55,6 +55,20 @@ class StepPlan:
     def weighted(self) -> bool:
         return self.query_weights is not None
 
+    @functools.cached_property
+    def first_scored(self) -> torch.Tensor | None:
+        """[num_reqs] int64: each row's first query of nonzero weight (its query_len if none);
+        the queries before it add nothing, so score passes start there. None when unweighted.
+        Read off the weights, so it holds for the plans derived from this one too."""
+        if self.query_weights is None:
+            return None
+        lens = self.query_lens
+        rows = torch.repeat_interleave(torch.arange(lens.shape[0]), lens)
+        j = torch.arange(rows.shape[0]) - (torch.cumsum(lens, 0) - lens)[rows]  # index in its row
+        weights = self.query_weights[self.query_starts[rows] + j]  # a segment's rows may have gaps
+        scored = torch.where(weights != 0, j, lens[rows])
+        return self.query_lens.clone().scatter_reduce_(0, rows, scored, reduce="amin")
+
 
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    budgets: Sequence[Budget]) -> StepPlan:
@@ -62,7 +76,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks, b.pool, b.prefill_chunk or 0)
                           for b in budgets], dtype=torch.int64).view(-1, 6)
     heavy, budget_tokens, interval, sinks, pool, chunk = table.unbind(1)
-    chunk = torch.where(chunk > 0, chunk, prompt_lens.clamp(min=1))  # unset: the prompt is one chunk
+    chunk = prompt_chunk(prompt_lens, chunk)
     # Pooling ranks the prompt's compaction only (docs/score-modes.md): later ones rank by score.
     first = first_compaction(prompt_lens, budget_tokens, interval, chunk)
     pool = torch.where(num_computed < first, pool, 1)
@@ -81,13 +95,11 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
 
 def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    chunk: torch.Tensor, budgets: Sequence[Budget], starts: torch.Tensor):
-    """(query_weights [num_tokens], score_scale [num_reqs]) fp32, or (None, None) when all are 1.
-    ``chunk``: each row's prefill chunk (its prompt length where unset).
+    """(query_weights [num_tokens], score_scale [num_reqs]) fp32, or (None, None) when every
+    weight and factor is 1. ``chunk``: each row's prefill chunk.
 
-    Budget.query_weight is 1 for a prompt query among the last obs_window of its prefill
-    chunk (the prompt, without prefill_chunk) and for every later one, else 0; it is evaluated
-    here for all tokens at once (tests/unit/worker/test_plan.py checks the
-    two agree), since a prompt chunk can hold thousands of tokens. Powers are taken in fp64.
+    ``policy.query_counts`` for all of the step's tokens at once (a prompt chunk can hold
+    thousands), times the decay since each query. Powers are taken in fp64.
     """
     decay = torch.tensor([b.decay for b in budgets], dtype=torch.float64)
     # No window: a window longer than any chunk, so every query counts.
@@ -95,11 +107,8 @@ def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
                           dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(query_lens.shape[0]), query_lens)
     j = torch.arange(rows.shape[0]) - starts[rows]          # index of the token in its row
-    position = num_computed[rows] + j
-    prompt = prompt_lens[rows]
-    chunk_end = torch.minimum((position // chunk[rows] + 1) * chunk[rows], prompt)
-    counts = ((position >= prompt) | (position >= chunk_end - window[rows])).to(torch.float64)
-    weights = (decay[rows] ** (query_lens[rows] - 1 - j) * counts).to(torch.float32)
+    counts = query_counts(num_computed[rows] + j, prompt_lens[rows], chunk[rows], window[rows])
+    weights = (decay[rows] ** (query_lens[rows] - 1 - j) * counts.to(torch.float64)).to(torch.float32)
     scale = (decay ** query_lens).to(torch.float32)
     if bool((weights == 1).all()) and bool((scale == 1).all()):
         return None, None  # e.g. an obs_window row past its prompt: paper arithmetic
@@ -164,42 +173,3 @@ def record_compactions(plan: StepPlan) -> None:
         return
     evicted = int((plan.kv_seq_lens[due] - plan.kv_lens_after[due]).sum())
     metrics.recorder().add(evicted_tokens=evicted, compactions=int(due.sum()))
-
-
-_current: StepPlan | None = None
-
-
-@contextlib.contextmanager
-def current_plan(plan: StepPlan):
-    """Makes ``plan`` the one the builders read while the runner builds this step's metadata."""
-    global _current
-    _current = plan
-    try:
-        yield plan
-    finally:
-        _current = None
-
-
-def current() -> StepPlan | None:
-    """The plan of the batch being built; None outside a real step (profiling, warm-up)."""
-    return _current
-
-
-_armed: tuple[object, StepPlan] | None = None
-
-
-def arm(batch: object, plan: StepPlan) -> None:
-    """Model Runner V2 makes the plan in one call (the runner's ``prepare_attn``) and builds the
-    metadata in the next (its model state's, for the same ``batch``): the plan waits here."""
-    global _armed
-    _armed = (batch, plan)
-
-
-def take_armed(batch: object) -> StepPlan | None:
-    """The plan armed for this very ``batch``, once; None for any other (dummy, profiling and
-    capture runs build metadata for batches of their own)."""
-    global _armed
-    if _armed is None or _armed[0] is not batch:
-        return None
-    plan, _armed = _armed[1], None
-    return plan

@@ -1,5 +1,5 @@
 """One H2O step on the worker, for both devices: the metadata moved into KV space, the step's
-device tensors, and the per-layer sequence after attention (ARCHITECTURE.md, "Step order").
+device tensors, and the per-layer sequence after attention (docs/semantics.md, "Step order").
 
 Runs in the worker process. ``kv_space_metadata`` runs once per step in a metadata builder;
 ``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
@@ -20,9 +20,9 @@ import torch
 
 from h2o_vllm import metrics
 from h2o_vllm.policy import select_keep
-from h2o_vllm.worker import prefix as prefix_cache
+from h2o_vllm.worker import prefix_records as prefix_cache
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
-from h2o_vllm.worker.prefix import PrefixStep
+from h2o_vllm.worker.prefix_records import PrefixStep
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class H2OStep:
     # queries before it add nothing to the scores, so score passes start there (an observation
     # window scores its last queries only). int32 [P], device; None on an unweighted step.
     prefill_first_scored: torch.Tensor | None = None
-    # Prefix caching (worker.prefix): this step's hit scores, record phases, fresh blocks; and
+    # Prefix caching (worker.prefix_records): this step's hit scores, record phases, fresh blocks; and
     # the table due rows compact through (block_table unless a row compacts into fresh blocks).
     prefix: PrefixStep | None = None
     compact_table: torch.Tensor | None = None
@@ -134,7 +134,7 @@ def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size:
 def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
               block_size: int) -> H2OStep:
     """block_table: [>= num_rows, max_blocks] int32 on the device; kv_slots from kv_slot_mapping.
-    A plan may cover only part of each row's queries (``worker.prefix.phase_plans``)."""
+    A plan may cover only part of each row's queries (``worker.prefix_records.phase_plans``)."""
     device = block_table.device
     query_lens, kv_seq_lens = plan.query_lens, plan.kv_seq_lens
     table = prefix_cache.compact_table(plan, block_table)
@@ -168,15 +168,10 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
 
 
 def _first_scored(plan: StepPlan, prefill: torch.Tensor, device) -> torch.Tensor | None:
-    """``H2OStep.prefill_first_scored`` from the plan's weights (host tensors: no device sync)."""
-    if plan.query_weights is None or not prefill.numel():
+    """``H2OStep.prefill_first_scored``: the plan's, for the prefill rows."""
+    if plan.first_scored is None or not prefill.numel():
         return None
-    firsts = []
-    for row in prefill.tolist():
-        start, q_len = int(plan.query_starts[row]), int(plan.query_lens[row])
-        scored = plan.query_weights[start:start + q_len].nonzero()
-        firsts.append(int(scored[0]) if scored.numel() else q_len)
-    return _to(torch.tensor(firsts), device, torch.int32)
+    return _to(plan.first_scored[prefill], device, torch.int32)
 
 
 def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
@@ -214,7 +209,7 @@ def zero_new_slots(step: H2OStep, scores: torch.Tensor) -> None:
 
 def scoring_step(step: H2OStep) -> H2OStep:
     """The step the attention pass scores (fused or not): the step itself, or with the rows
-    that write score records masked out (``worker.prefix``: they are scored in phases)."""
+    that write score records masked out (``worker.prefix_records``: they are scored in phases)."""
     if step.prefix is not None and step.prefix.masked is not None:
         return step.prefix.masked
     return step

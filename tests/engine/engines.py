@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 # Any plugin name but ours: the spawned engine core and workers then run stock vLLM.
-from h2o_vllm.tools.soak import STOCK_PLUGINS
+from h2o_devtools.soak import STOCK_PLUGINS
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -118,9 +118,9 @@ def model_runner_of(llm):
 def worker_block_ids(runner, request_id: str, group: int = 0) -> list[int]:
     """A request's blocks in the worker (KV-cache group ``group``). V1: its request state, whose
     block-table row has as many; V2: its slot's block-table row, or the fresh blocks it
-    becomes at the next step (``vllm_hooks.runner_v2._rewrite_rows``)."""
+    becomes at the next step (``RunnerState.rewrites``, ``vllm_hooks.runner_v2._rewrite_row``)."""
     if hasattr(runner, "req_states"):  # Model Runner V2
-        pending = runner.__dict__.get("_h2o_rewrites", {}).get(request_id)
+        pending = runner.h2o_state.rewrites.get(request_id)
         if pending is not None:
             return list(pending[1])
         slot = runner.req_states.req_id_to_index[request_id]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from h2o_vllm import policy
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import first_compaction, kv_len_after, live_kv_len, peak_kv_len, select_keep
 
@@ -369,4 +370,4 @@ def test_chunked_examples():
 def test_observation_window_per_chunk(chunk, weights):
     from h2o_vllm.config import Budget
     budget = Budget(heavy=2, recent=2, interval=1, obs_window=3, prefill_chunk=chunk)
-    assert [budget.query_weight(p, 10) for p in range(12)] == weights
+    assert [policy.query_weight(budget, p, 10) for p in range(12)] == weights

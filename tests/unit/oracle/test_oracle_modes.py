@@ -2,7 +2,7 @@
 against the naive twin, which implements each of them from scratch.
 
 Spec (the one the engine implements too): queries in order, each does
-``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``w_i = Budget.query_weight``: 0 for
+``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``w_i = policy.query_weight``: 0 for
 a prompt query before the prompt's last ``obs_window``, else 1); compaction keeps the ``sinks``
 first logical tokens, the ``recent`` newest and the ``heavy`` best-scored of the rest, back to
 ``Budget.tokens``; ``min_tokens`` grows ``recent``. Each mode must change what paper H2O keeps on

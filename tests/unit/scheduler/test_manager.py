@@ -203,7 +203,7 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
     """A 400-token prompt in chunks of 32: each chunk end compacts (16 + 32 >= 32), so the row
     never holds more than 16 + 32 tokens, and the whole-sequence check vLLM makes before
     admitting (``apply_admission_cap``) asks for that peak, not for 25 blocks."""
-    from h2o_vllm.scheduler import step
+    from h2o_vllm.scheduler import events as step
     m = _manager(CHUNKED)
     request = _request("r", 400, max_tokens=8)
     step.add_request([m], request)

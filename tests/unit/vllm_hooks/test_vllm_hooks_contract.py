@@ -710,7 +710,7 @@ def test_vllm_ray_executor_copies_the_variables_h2o_lists(monkeypatch):
     from vllm.ray.ray_env import get_env_vars_to_copy
 
     from h2o_vllm.vllm_hooks import share_env_with_ray_workers
-    from h2o_vllm.vllm_hooks.scheduler import RAY_COPY_ENV
+    from h2o_vllm.vllm_hooks.engine_core import RAY_COPY_ENV
     if hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()
     monkeypatch.setenv(RAY_COPY_ENV, "OTHER_PLUGIN_VAR")

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from h2o_vllm.oracle.cache import query_weight as oracle_query_weight
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget, H2OConfig
 from h2o_vllm.policy import kv_len_after
@@ -52,14 +53,6 @@ def test_rows_to_truncate_keeps_the_blocks_of_the_new_length():
     assert step_plan.rows_to_truncate(plan, 3) == [(0, 2, None), (1, 2, None)]
 
 
-def test_current_plan_is_set_only_inside_the_context():
-    plan = step_plan.make_step_plan(t([0]), t([3]), t([3]), [Budget(1, 1, 1)])
-    assert step_plan.current() is None
-    with step_plan.current_plan(plan):
-        assert step_plan.current() is plan
-    assert step_plan.current() is None
-
-
 def test_record_compactions_counts_evicted_tokens(monkeypatch):
     from h2o_vllm import metrics
     recorder = metrics.Recorder(None)
@@ -81,7 +74,7 @@ def test_paper_budgets_make_an_unweighted_step():
 
 def test_query_weights_follow_budget_query_weight_and_decay():
     """Token j of row r (logical position i = num_computed[r] + j, last position b) weighs
-    decay^(b - i) * Budget.query_weight(i, prompt_len); each row's old scores decay^q_len."""
+    decay^(b - i) * oracle_query_weight(budget, i, prompt_len); each row's old scores decay^q_len."""
     budgets = [Budget(2, 2, 1, decay=0.9, obs_window=5), Budget(2, 2, 1),
                Budget(2, 2, 1, sinks=1, obs_window=3), Budget(2, 2, 1, decay=0.5),
                Budget(2, 2, 1, obs_window=2, prefill_chunk=4)]
@@ -92,7 +85,7 @@ def test_query_weights_follow_budget_query_weight_and_decay():
     expected = []
     for budget, start, q_len, prompt_len in zip(budgets, computed, query, prompt):
         last = start + q_len - 1
-        expected += [budget.decay ** (last - i) * budget.query_weight(i, prompt_len)
+        expected += [budget.decay ** (last - i) * oracle_query_weight(budget, i, prompt_len)
                      for i in range(start, start + q_len)]
     assert plan.query_weights.tolist() == pytest.approx(expected, rel=1e-6)
     assert plan.query_weights.tolist()[:3] == [0.0, 0.0, 0.0]        # row 0: before its window
@@ -121,14 +114,3 @@ def test_a_chunked_prompt_compacts_at_chunk_ends_and_pools_only_the_first():
     assert plan.kv_lens_after.tolist() == [4, 4, 7, 4]
     assert plan.due.tolist() == [True, True, False, True]
     assert plan.pool.tolist() == [3, 1, 1, 1]
-
-
-def test_armed_plan_is_taken_once_and_only_for_its_batch():
-    """Model Runner V2: the plan made in the runner's prepare_attn reaches the model state's
-    prepare_attn for the same batch, never a dummy run's."""
-    from h2o_vllm.worker import plan as step_plan
-    batch, dummy, plan = object(), object(), object()
-    step_plan.arm(batch, plan)
-    assert step_plan.take_armed(dummy) is None
-    assert step_plan.take_armed(batch) is plan
-    assert step_plan.take_armed(batch) is None

@@ -14,6 +14,7 @@ import os  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from h2o_vllm.oracle.cache import query_weight as oracle_query_weight
 from h2o_vllm.config import Budget  # noqa: E402
 from h2o_vllm.worker import step as worker_step  # noqa: E402
 from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
@@ -181,7 +182,7 @@ def dense_step(old, keys, query, start, budget, prompt_len, group, scale):
     s = torch.cat([old, torch.zeros(end + 1 - start, keys.shape[1], dtype=torch.float64)])
     s *= budget.decay ** (end - start + 1)
     for i in range(start, end + 1):
-        w = budget.decay ** (end - i) * budget.query_weight(i, prompt_len)
+        w = budget.decay ** (end - i) * oracle_query_weight(budget, i, prompt_len)
         for h in range(query.shape[1]):
             logits = keys[:i + 1, h // group].double() @ query[i - start, h].double() * scale
             s[:i + 1, h // group] += w * torch.softmax(logits, dim=0)

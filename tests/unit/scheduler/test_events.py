@@ -1,4 +1,4 @@
-"""scheduler.step, the functions vLLM's scheduler hooks call: budgets in and out, compacted
+"""scheduler.events, the functions vLLM's scheduler hooks call: budgets in and out, compacted
 tails cut when their step is scheduled, admission watermark, metrics.
 
 Managers are real H2OManagers on a real BlockPool (or inside vLLM's real KVCacheManager) and
@@ -16,7 +16,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from h2o_vllm import metrics, vllm_hooks
 from h2o_vllm.config import Budget, H2OConfig
-from h2o_vllm.scheduler import step
+from h2o_vllm.scheduler import events as step
 from h2o_vllm.scheduler.manager import H2OManager
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 

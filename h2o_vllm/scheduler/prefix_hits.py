@@ -1,6 +1,6 @@
 """H2O with vLLM's prefix cache, scheduler side: exact hits, the records they need, the orders.
 
-Runs in the engine-core process, called from the hooks in ``vllm_hooks.scheduler`` at vLLM's
+Runs in the engine-core process, called from the hooks in ``vllm_hooks.engine_core`` at vLLM's
 step boundaries; the state lives on each ``H2OManager`` (``records``, ``hit_records``, ...).
 docs/prefix-caching.md has the design; ``scheduler/records.py`` why records exist.
 
@@ -8,15 +8,15 @@ docs/prefix-caching.md has the design; ``scheduler/records.py`` why records exis
   with a written record; for a request with an observation window, any boundary the window
   does not reach, whose scores are all zero).
 - ``prefix_orders``: at the end of ``schedule``, plan the records each admitted request will
-  write and collect this step's orders for the workers (``h2o_vllm.prefix.PrefixOrders``).
+  write and collect this step's orders for the workers (``h2o_vllm.prefix_orders.PrefixOrders``).
 - ``commit_records``: once the step has run, the records it wrote may serve hits.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from h2o_vllm.policy import first_compaction
-from h2o_vllm.prefix import PrefixOrders
+from h2o_vllm.policy import first_compaction, first_scored
+from h2o_vllm.prefix_orders import PrefixOrders
 from h2o_vllm.scheduler.manager import H2OManager
 
 
@@ -46,7 +46,7 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     matched = min(matched, reachable)
     if budget.obs_window is not None:
         # Queries before its first chunk's window add nothing: such a prefix scores all zeros.
-        first_scoring = max(0, budget.chunk_end(0, request.num_prompt_tokens) - budget.obs_window)
+        first_scoring = first_scored(0, request.num_prompt_tokens, budget.prefill_chunk, budget.obs_window)
         return min(matched, first_scoring // block_size) * block_size
     cut = 0
     for num_blocks in range(matched, 0, -1):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import os
 
-from h2o_vllm.prefix import ATTRIBUTE
-from h2o_vllm.scheduler import prefix, step
+from h2o_vllm.prefix_orders import ATTRIBUTE
+from h2o_vllm.scheduler import events, prefix_hits
 from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap
 
 
@@ -28,19 +28,15 @@ def install_scheduler_hook() -> None:
 
 
 def _h2o_managers(kv_cache_manager) -> list:
-    """The H2O managers of a ``KVCacheManager`` (one per H2O KV-cache group), found once."""
-    managers = kv_cache_manager.__dict__.get("_h2o_managers")
-    if managers is None:
-        from h2o_vllm.scheduler.manager import H2OManager
-        managers = kv_cache_manager._h2o_managers = [
-            m for m in kv_cache_manager.coordinator.single_type_managers if isinstance(m, H2OManager)]
-    return managers
+    """The H2O managers of a ``KVCacheManager`` (one per H2O KV-cache group)."""
+    from h2o_vllm.scheduler.manager import H2OManager
+    return [m for m in kv_cache_manager.coordinator.single_type_managers if isinstance(m, H2OManager)]
 
 
 def _add_request_wrapper(original):
     def add_request(self, request):
         if _h2o_of(self) is not None:
-            step.add_request(_h2o_managers(self.kv_cache_manager), request)
+            events.add_request(_h2o_managers(self.kv_cache_manager), request)
         return original(self, request)
     return add_request
 
@@ -48,7 +44,7 @@ def _add_request_wrapper(original):
 def _free_blocks_wrapper(original):
     def _free_blocks(self, request):
         if _h2o_of(self) is not None:
-            step.finish_request(_h2o_managers(self.kv_cache_manager), request.request_id)
+            events.finish_request(_h2o_managers(self.kv_cache_manager), request.request_id)
         return original(self, request)
     return _free_blocks
 
@@ -61,7 +57,7 @@ def _reserve_prefill_lookahead_wrapper(original):
         num_new_tokens = original(self, request, num_computed_tokens, num_new_tokens)
         if _h2o_of(self) is None or num_new_tokens == 0:
             return num_new_tokens
-        return step.limit_prefill_step(_h2o_managers(self.kv_cache_manager), request,
+        return events.limit_prefill_step(_h2o_managers(self.kv_cache_manager), request,
                                        num_computed_tokens, num_new_tokens)
     return _reserve_prefill_lookahead
 
@@ -69,10 +65,10 @@ def _reserve_prefill_lookahead_wrapper(original):
 def _update_from_output_wrapper(original):
     def update_from_output(self, *args, **kwargs):
         if _h2o_of(self) is not None:  # before vLLM frees the requests that finished
-            prefix.commit_records(_h2o_managers(self.kv_cache_manager))
+            prefix_hits.commit_records(_h2o_managers(self.kv_cache_manager))
         outputs = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
-            step.record_metrics(_h2o_managers(self.kv_cache_manager), self.running)
+            events.record_metrics(_h2o_managers(self.kv_cache_manager), self.running)
         return outputs
     return update_from_output
 
@@ -84,10 +80,10 @@ def _allocate_slots_wrapper(original):
         managers = _h2o_managers(self)
         if not managers:
             return original(self, request, num_new_tokens, *args, **kwargs)
-        if prefix.awaits_record(managers, request) and request.status == RequestStatus.WAITING:
+        if prefix_hits.awaits_record(managers, request) and request.status == RequestStatus.WAITING:
             return None  # vLLM keeps it waiting: next step its longer hit is exact
         base = self.watermark_blocks
-        self.watermark_blocks = step.admission_watermark(managers, base, request, num_new_tokens,
+        self.watermark_blocks = events.admission_watermark(managers, base, request, num_new_tokens,
                                                          self.max_model_len)
         try:
             return original(self, request, num_new_tokens, *args, **kwargs)
@@ -104,9 +100,9 @@ def _schedule_wrapper(original):
         output = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
             managers = _h2o_managers(self.kv_cache_manager)
-            setattr(output, ATTRIBUTE, prefix.prefix_orders(managers, output, self.requests))
-            step.cut_scheduled(managers, output, self.requests)
-            step.record_metrics(managers, self.running)
+            setattr(output, ATTRIBUTE, prefix_hits.prefix_orders(managers, output, self.requests))
+            events.cut_scheduled(managers, output, self.requests)
+            events.record_metrics(managers, self.running)
         return output
     return schedule
 
@@ -133,7 +129,7 @@ def _h2o_cut(coordinator, managers, request, hit, num_tokens: int) -> int:
     """The longest part of a hit of ``num_tokens`` (``hit``: each group's blocks) that every
     H2O group can resume from exactly."""
     group_blocks = dict(zip(coordinator.single_type_managers, hit))
-    return min(prefix.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
+    return min(prefix_hits.cut_hit(m, request, num_tokens, group_blocks.get(m, ())) for m in managers)
 
 
 def _hybrid_hit(kv_cache_manager, managers, request, blocks, num_tokens: int, boundary: int):

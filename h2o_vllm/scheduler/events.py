@@ -1,7 +1,7 @@
 """What the scheduler hooks do, as named functions: budgets in, tails out, admission room, metrics.
 
 Runs in the engine-core process. ``managers`` are the H2O managers of one scheduler's KV-cache
-manager (one per H2O KV-cache group); the hooks in ``vllm_hooks.scheduler`` find them and call
+manager (one per H2O KV-cache group); the hooks in ``vllm_hooks.engine_core`` find them and call
 these at vLLM's step boundaries. Never touches a tensor.
 """
 from __future__ import annotations

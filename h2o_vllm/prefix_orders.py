@@ -1,8 +1,8 @@
 """PrefixOrders: what the scheduler tells the workers, per step, about the prefix cache.
 
-Pure data (stdlib only), built by ``scheduler.step.prefix_orders`` in the engine-core process
-and carried to every worker on vLLM's ``SchedulerOutput`` (``vllm_hooks.scheduler``), read by
-``worker.prefix``. The K/V of a hit is copied by vLLM itself (its copy-on-write pairs,
+Pure data (stdlib only), built by ``scheduler.prefix_hits.prefix_orders`` in the engine-core process
+and carried to every worker on vLLM's ``SchedulerOutput`` (``vllm_hooks.engine_core``), read by
+``worker.prefix_records``. The K/V of a hit is copied by vLLM itself (its copy-on-write pairs,
 ``SchedulerOutput.kv_cache_block_copies``); these orders add what only H2O needs:
 
 - ``score_inits``: (block, record slot) for each block a hit was copied into: its scores start

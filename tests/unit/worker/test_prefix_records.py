@@ -1,4 +1,4 @@
-"""worker.prefix: what a step's PrefixOrders make the worker do, on CPU tensors, with both
+"""worker.prefix_records: what a step's PrefixOrders make the worker do, on CPU tensors, with both
 devices' ops (CPUOps; TritonOps under TRITON_INTERPRET=1, which tests/conftest.py sets).
 
 - phase_plans: a step's accumulation split at record boundaries ends with the scores of the
@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from h2o_vllm.config import Budget  # noqa: E402
-from h2o_vllm.prefix import PrefixOrders  # noqa: E402
-from h2o_vllm.worker import prefix as wp  # noqa: E402
+from h2o_vllm.prefix_orders import PrefixOrders  # noqa: E402
+from h2o_vllm.worker import prefix_records as wp  # noqa: E402
 from h2o_vllm.worker import step as worker_step  # noqa: E402
 from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
 from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps  # noqa: E402

@@ -1,6 +1,6 @@
 """H2O with vLLM's prefix cache, scheduler side: H2OManager with caching on, on a real vLLM
 BlockPool(enable_caching=True) and real Requests with a block hasher, driven the way vLLM's
-scheduler drives it (scheduler/manager.py, scheduler/prefix.py).
+scheduler drives it (scheduler/manager.py, scheduler/prefix_hits.py).
 
 ``Engine`` below is a small stand-in for vLLM's Scheduler + KVCacheManager: a waiting request
 gets vLLM's hit (``find_longest_cache_hit``), cut by ``cut_hit`` as the get_computed_blocks hook
@@ -25,9 +25,9 @@ from vllm.v1.request import Request
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.scheduler import step as sched_step
+from h2o_vllm.scheduler import events as sched_step
 from h2o_vllm.scheduler.manager import H2OManager
-from h2o_vllm.scheduler.prefix import commit_records, cut_hit, prefix_orders, record_key
+from h2o_vllm.scheduler.prefix_hits import commit_records, cut_hit, prefix_orders, record_key
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
 BLOCK = 4
@@ -532,7 +532,7 @@ def test_a_waiting_request_awaits_a_record_being_written():
     """b's prefix is being recorded by a (admitted this step, its step not run yet): b is held
     back one step (awaits_record) instead of recomputing it, then hits it exactly; once
     nothing longer is pending, nothing waits."""
-    from h2o_vllm.scheduler.prefix import awaits_record
+    from h2o_vllm.scheduler.prefix_hits import awaits_record
     e = Engine()
     shared = list(range(500, 524))           # 6 blocks
     x = _request("x", shared + [1, 2, 3])

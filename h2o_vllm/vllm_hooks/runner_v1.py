@@ -1,0 +1,87 @@
+"""Hooks on vLLM's V1 model runner (``vllm/v1/worker/gpu_model_runner.py``; the CPU runner
+inherits it): the shared step sequence (``runner``) at V1's seams.
+
+Runs in the worker process. V1 keeps each request's state (sampling params, block ids) in
+``runner.requests`` and its batch in ``runner.input_batch`` (rows, computed-token counts,
+prompt lengths, a block table per KV-cache group).
+"""
+from __future__ import annotations
+
+import torch
+
+from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
+                                       h2o_builders, runner_state)
+from h2o_vllm.vllm_hooks.seam import _wrap
+
+
+def install_runner_hook() -> None:
+    """Give builders each row's H2O plan; truncate rows when compaction fires; H2O specs."""
+    _wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
+          _build_attention_metadata_wrapper)
+    _wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_kv_cache_spec",
+          _get_kv_cache_spec_wrapper)
+    _wrap("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", _update_states_wrapper)
+
+
+def _update_states_wrapper(original):
+    def _update_states(self, scheduler_output):
+        state = runner_state(self)
+        if state is not None:
+            begin_step(state, scheduler_output, lambda *row: _rewrite_row(self, *row))
+        return original(self, scheduler_output)
+    return _update_states
+
+
+def _build_attention_metadata_wrapper(original):
+    def _build_attention_metadata(self, *args, **kwargs):
+        scheduled = kwargs.get("num_scheduled_tokens")
+        # Dummy and profiling runs pass no scheduled tokens: no request, no plan.
+        state = runner_state(self) if scheduled is not None else None
+        if state is None:
+            return original(self, *args, **kwargs)
+        from h2o_vllm.worker.core import building
+        plan = state.plan(_batch_rows(self, kwargs["num_reqs"] if "num_reqs" in kwargs else args[1],
+                                      scheduled))
+        with building(h2o_builders(self.attn_groups), plan):
+            result = original(self, *args, **kwargs)
+        finish_step(state, plan, lambda *row: _truncate_row(self, *row))
+        return result
+    return _build_attention_metadata
+
+
+def _batch_rows(runner, num_reqs: int, scheduled: dict[str, int]):
+    from h2o_vllm.worker.runner_state import BatchRows
+    batch, requests = runner.input_batch, runner.requests
+    req_ids = batch.req_ids[:num_reqs]
+
+    def extra_args_of(req_id: str):
+        params = requests[req_id].sampling_params
+        return params.extra_args if params is not None else None
+    return BatchRows(
+        req_ids=req_ids,
+        num_computed=torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs]).to(torch.int64),
+        prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
+        query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
+        extra_args_of=extra_args_of, live_request_ids=requests.keys())
+
+
+def _truncate_row(runner, group_id: int, row: int, keep: int, fresh: list[int] | None) -> None:
+    """Drop the block-table entries past a compacted row's new KV length. The tensor entries
+    stay until overwritten, so this step's kernels still read them."""
+    batch = runner.input_batch
+    table, state = batch.block_table[group_id], runner.requests[batch.req_ids[row]]
+    if table.num_blocks_per_row[row] > keep:
+        table.num_blocks_per_row[row] = keep
+        del state.block_ids[group_id][keep:]
+    if fresh is not None:
+        state.block_ids[group_id][:] = fresh
+
+
+def _rewrite_row(runner, req_id: str, group_id: int, fresh: list[int]) -> None:
+    """A block-table row that compacted into fresh blocks last step becomes those blocks, as
+    ``H2OManager.remove_skipped_blocks`` made them on the scheduler (the request state already
+    holds them)."""
+    batch = runner.input_batch
+    row = batch.req_id_to_index.get(req_id)
+    if row is not None:
+        batch.block_table[group_id].add_row(list(fresh), row)

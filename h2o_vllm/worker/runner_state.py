@@ -1,0 +1,68 @@
+"""RunnerState: what H2O keeps for one model runner from step to step.
+
+Runs in the worker process. The runner hooks (``vllm_hooks.runner``) own one per model runner,
+made on its first real step, and hand it every step's inputs explicitly; nothing about a step
+lives anywhere else. A step goes: ``begin_step`` (the scheduler's orders for this step; the rows
+that compacted into fresh blocks last step, to rewrite now), ``plan`` (the batch's ``StepPlan``),
+``compacted_rows`` (what to truncate once the metadata is built). Pure: no vLLM import.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from h2o_vllm.budgets import RequestBudgets
+from h2o_vllm.prefix_orders import PrefixOrders
+from h2o_vllm.worker.plan import StepPlan, plan_batch, rows_to_truncate
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """A batch as both runners read it: row i is request ``req_ids[i]``. All int64 [num_reqs]."""
+    req_ids: Sequence[str]
+    num_computed: torch.Tensor
+    prompt_lens: torch.Tensor
+    query_lens: torch.Tensor
+    extra_args_of: Callable[[str], Mapping[str, Any] | None]
+    live_request_ids: Iterable[str]
+
+
+@dataclass
+class RunnerState:
+    budgets: RequestBudgets
+    #: (KV-cache group id, block size) of each H2O KV-cache group of the runner.
+    groups: tuple[tuple[int, int], ...]
+    #: This step's prefix-cache orders (the scheduler's), None without any.
+    orders: PrefixOrders | None = None
+    #: Requests whose KV cache is gone or rebuilt as of this step (``StepPlan.void_ids``).
+    void_ids: frozenset[str] = frozenset()
+    #: request -> (group id, fresh blocks): rows that compacted into fresh blocks this step and
+    #: become them at the next (not earlier: on the CPU the block table is the tensor this
+    #: step's kernels still read).
+    rewrites: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+
+    def begin_step(self, orders: PrefixOrders | None,
+                   void_ids: Iterable[str]) -> dict[str, tuple[int, list[int]]]:
+        """Take this step's scheduler inputs; returns the rewrites due before vLLM appends the
+        step's new blocks (last step's, once)."""
+        due, self.rewrites = self.rewrites, {}
+        self.orders, self.void_ids = orders, frozenset(void_ids)
+        return due
+
+    def plan(self, rows: BatchRows) -> StepPlan:
+        return plan_batch(self.budgets, rows.req_ids, rows.num_computed, rows.prompt_lens,
+                          rows.query_lens, rows.extra_args_of, rows.live_request_ids,
+                          orders=self.orders, void_ids=self.void_ids)
+
+    def compacted_rows(self, plan: StepPlan) -> Iterator[tuple[int, int, int, list[int] | None]]:
+        """(group id, row, blocks kept, fresh blocks or None) of each row ``plan`` compacts, in
+        every H2O group; a row that compacts into fresh blocks is kept for the next step's
+        ``begin_step``."""
+        for group_id, block_size in self.groups:
+            for row, keep, fresh in rows_to_truncate(plan, block_size):
+                if fresh is not None:
+                    self.rewrites[plan.req_ids[row]] = (group_id, fresh)
+                yield group_id, row, keep, fresh
