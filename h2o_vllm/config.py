@@ -167,12 +167,12 @@ class H2OConfig:
 
     def budget(self, prompt_len: int, block_size: int) -> "Budget":
         """The ``Budget`` of one prompt length; ``block_size`` (KV block) is the default interval."""
-        sinks, heavy = self.sink_tokens or 0, self.part_budget("heavy", prompt_len)
+        sink_tokens, heavy = self.sink_tokens or 0, self.part_budget("heavy", prompt_len)
         recent = self.part_budget("recent", prompt_len)
-        recent += max(0, self.floor_tokens() - (sinks + heavy + recent))
+        recent += max(0, self.floor_tokens() - (sink_tokens + heavy + recent))
         return Budget(heavy=heavy, recent=recent,
                       interval=self.interval if self.interval is not None else block_size,
-                      sinks=sinks, decay=1.0 if self.decay is None else float(self.decay),
+                      sink_tokens=sink_tokens, decay=1.0 if self.decay is None else float(self.decay),
                       obs_window=self.obs_window, pool=self.pool_kernel or 1,
                       prefill_chunk=self.prefill_chunk)
 
@@ -185,7 +185,7 @@ class Budget:
     heavy: int
     recent: int
     interval: int
-    sinks: int = 0
+    sink_tokens: int = 0  # the first logical tokens, always kept (attention sinks)
     decay: float = 1.0              # 1.0: the paper's plain sum
     obs_window: int | None = None   # None: every prompt query scores
     pool: int = 1                   # the first compaction ranks on scores max-pooled over this many
@@ -193,8 +193,8 @@ class Budget:
 
     @property
     def tokens(self) -> int:
-        """sinks + heavy + recent: the size the cache is compacted back to."""
-        return self.sinks + self.heavy + self.recent
+        """sink_tokens + heavy + recent: the size the cache is compacted back to."""
+        return self.sink_tokens + self.heavy + self.recent
 
 
 #: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)

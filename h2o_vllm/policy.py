@@ -219,19 +219,19 @@ def engine_peak_blocks(config: H2OConfig, max_model_len: int, block_size: int,
                                    prefix_caching) for p in range(1, max_model_len + 1))
 
 
-def select_keep(scores: torch.Tensor, heavy: int, recent: int, sinks: int = 0,
+def select_keep(scores: torch.Tensor, heavy: int, recent: int, sink_tokens: int = 0,
                 pool: int = 1) -> torch.Tensor:
-    """Indices of the tokens to keep, per head: the ``sinks`` first ones, the ``recent`` last
+    """Indices of the tokens to keep, per head: the ``sink_tokens`` first ones, the ``recent`` last
     ones, and the ``heavy`` highest-ranked among the rest; ties keep the more recent token;
     ascending order.
 
     scores: [..., n] accumulated attention of the n live tokens (oldest first). The first
-    ``sinks`` live tokens are the first logical ones: they are never evicted, and compaction
+    ``sink_tokens`` live tokens are the first logical ones: they are never evicted, and compaction
     keeps order. ``pool`` (odd): the rest are ranked on ``pooled_scores``, not on their own.
-    Returns int64 [..., min(n, sinks + heavy + recent)]; the same count per head.
+    Returns int64 [..., min(n, sink_tokens + heavy + recent)]; the same count per head.
     """
     n = scores.shape[-1]
-    num_sinks = min(sinks, n)
+    num_sinks = min(sink_tokens, n)
     num_recent = min(recent, n - num_sinks)
     num_older = n - num_recent
     num_heavy = min(heavy, num_older - num_sinks)

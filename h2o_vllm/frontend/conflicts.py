@@ -119,7 +119,7 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
     if needed <= max_model_len:
         return
     parts = " + ".join(f"{name}={value}" for name, value in (
-        ("sinks", budget.sinks), ("heavy", budget.heavy), ("recent", budget.recent),
+        ("sinks", budget.sink_tokens), ("heavy", budget.heavy), ("recent", budget.recent),
         ("interval", budget.interval)) if value or name != "sinks")
     floor_note = (f" (recent includes the min_tokens floor of {h2o.floor_tokens()}: --h2o-min-tokens)"
                   if budget.recent > h2o.part_budget("recent", 1) else "")

@@ -143,7 +143,7 @@ class SequenceState:
         # Pooling ranks only the first compaction, the one that compresses the prompt.
         pool = budget.pool if self.kv_len == self.num_tokens else 1
         for layer in self.evicting:
-            layer.compact(budget.heavy, budget.recent, budget.sinks, pool)
+            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, pool)
         return True
 
     def query_weights(self, positions: torch.Tensor) -> torch.Tensor | None:

@@ -170,7 +170,7 @@ class H2OImplMixin:
                             output_scale, output_block_scale)
         mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
                                          self.records, accumulated=self.fuses_scores,
-                                         softcap=self.logits_soft_cap, sinks=self.sinks)
+                                         softcap=self.logits_soft_cap, sink_logits=self.sinks)
         if mass is not None:
             self._mass.push(mass)
         return output

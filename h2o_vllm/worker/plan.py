@@ -30,7 +30,7 @@ class StepPlan:
     kv_seq_lens: torch.Tensor      # keys each row attends over in this step
     kv_lens_after: torch.Tensor    # live KV tokens once this step's compaction is done
     heavy: torch.Tensor
-    sinks: torch.Tensor
+    sink_tokens: torch.Tensor
     pool: torch.Tensor             # Budget.pool where this step's compaction is the row's first, else 1
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
@@ -73,9 +73,9 @@ class StepPlan:
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    budgets: Sequence[Budget]) -> StepPlan:
     """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens)."""
-    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sinks, b.pool, b.prefill_chunk or 0)
+    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sink_tokens, b.pool, b.prefill_chunk or 0)
                           for b in budgets], dtype=torch.int64).view(-1, 6)
-    heavy, budget_tokens, interval, sinks, pool, chunk = table.unbind(1)
+    heavy, budget_tokens, interval, sink_tokens, pool, chunk = table.unbind(1)
     chunk = prompt_chunk(prompt_lens, chunk)
     # Pooling ranks the prompt's compaction only (docs/score-modes.md): later ones rank by score.
     first = first_compaction(prompt_lens, budget_tokens, interval, chunk)
@@ -89,7 +89,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     if any(b.decay != 1.0 or b.obs_window is not None for b in budgets):
         weights, scale = _query_weights(num_computed, query_lens, prompt_lens, chunk, budgets, starts)
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
-                    kv_lens_after=after, heavy=heavy, sinks=sinks, pool=pool, due=after < seq_lens,
+                    kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, pool=pool, due=after < seq_lens,
                     query_starts=starts, decay=decay, query_weights=weights, score_scale=scale)
 
 

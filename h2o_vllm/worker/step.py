@@ -27,11 +27,11 @@ from h2o_vllm.worker.prefix_records import PrefixStep
 
 @dataclass(frozen=True)
 class DueGroup:
-    """Due rows that share (kv_len, sinks, heavy, target, pool): one select_keep and one compaction."""
+    """Due rows that share (kv_len, sink_tokens, heavy, target, pool): one select_keep and one compaction."""
     rows: torch.Tensor      # [R] int64, device: batch rows
     blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
     offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
-    sinks: int
+    sink_tokens: int
     heavy: int
     target: int
     pool: int
@@ -81,12 +81,12 @@ class DeviceOps(Protocol):
         """Per-step indices the device's accumulate reads in every layer (or None)."""
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: Any, scores: torch.Tensor,
-                   scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+                   scale: float, softcap: float = 0.0, sink_logits: torch.Tensor | None = None) -> None:
         """Add this step's softmax probabilities, summed over each KV head's query group; on a
         weighted step, first scale each row's live scores by step.score_scale[row] and weight
         each query's probabilities by step.query_weight[token]. The probabilities are the
         model's own attention: softcap > 0 soft-caps the logits before the softmax (Gemma 2);
-        sinks [num_q_heads] puts each head's sink logit in its denominator (gpt-oss)."""
+        sink_logits [num_q_heads] puts each head's sink logit in its denominator (gpt-oss)."""
 
     def compact(self, views: Any, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:
@@ -182,16 +182,16 @@ def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> t
     device = block_table.device
     groups: dict[tuple[int, int, int, int, int], list[int]] = {}
     for row in plan.due.nonzero().flatten().tolist():
-        key = (int(plan.kv_seq_lens[row]), int(plan.sinks[row]), int(plan.heavy[row]),
+        key = (int(plan.kv_seq_lens[row]), int(plan.sink_tokens[row]), int(plan.heavy[row]),
                int(plan.kv_lens_after[row]), int(plan.pool[row]))
         groups.setdefault(key, []).append(row)
     out = []
-    for (kv_len, sinks, heavy, target, pool), rows in groups.items():
+    for (kv_len, sink_tokens, heavy, target, pool), rows in groups.items():
         pos = torch.arange(kv_len)
         rows_d = _to(torch.tensor(rows), device)
         blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
         out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
-                            sinks=sinks, heavy=heavy, target=target, pool=pool))
+                            sink_tokens=sink_tokens, heavy=heavy, target=target, pool=pool))
     return tuple(out)
 
 
@@ -219,7 +219,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
                               scores: torch.Tensor, scale: float,
                               records: torch.Tensor | None = None, *,
                               accumulated: bool = False, softcap: float = 0.0,
-                              sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+                              sink_logits: torch.Tensor | None = None) -> torch.Tensor | None:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (decayed and
     weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -236,10 +236,10 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     if not accumulated:
         zero_new_slots(step, scores)
         prepare_scores(step, scores, records)
-        ops.accumulate(scoring_step(step), query, views, scores, scale, softcap, sinks)
+        ops.accumulate(scoring_step(step), query, views, scores, scale, softcap, sink_logits)
     if prefix is not None:
         for phase, snap in zip(prefix.phases, prefix.snapshots):
-            ops.accumulate(phase, query, views, scores, scale, softcap, sinks)
+            ops.accumulate(phase, query, views, scores, scale, softcap, sink_logits)
             prefix_cache.snapshot(snap, scores, records)
         prefix_cache.relocate(prefix, views, scores)
     if not step.due:
@@ -247,8 +247,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
-        keep = select_keep(live, group.heavy, group.target - group.sinks - group.heavy,
-                           group.sinks, group.pool)                             # [R, Hkv, target]
+        keep = select_keep(live, group.heavy, group.target - group.sink_tokens - group.heavy,
+                           group.sink_tokens, group.pool)                             # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
         ops.compact(views, scores, step.compact_table, group.rows, keep)

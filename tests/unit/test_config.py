@@ -329,8 +329,8 @@ def test_mode_values_rejected(data, match):
 
 def test_modes_resolve_into_the_budget():
     plain = H2OConfig().budget(100, 16)
-    assert (plain.sinks, plain.decay, plain.obs_window, plain.pool) == (0, 1.0, None, 1)
+    assert (plain.sink_tokens, plain.decay, plain.obs_window, plain.pool) == (0, 1.0, None, 1)
     budget = H2OConfig(decay=0.9, sink_tokens=4, obs_window=16, pool_kernel=15).budget(200, 16)
-    assert (budget.sinks, budget.decay, budget.obs_window, budget.pool) == (4, 0.9, 16, 15)
+    assert (budget.sink_tokens, budget.decay, budget.obs_window, budget.pool) == (4, 0.9, 16, 15)
     assert budget.tokens == 4 + 20 + 20
     assert H2OConfig(pool_kernel=1).budget(100, 16) == plain

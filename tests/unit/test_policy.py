@@ -292,7 +292,7 @@ def test_pooling_keeps_the_neighbours_of_a_peak():
     assert select_keep(scores, 3, 1, pool=3).tolist() == [2, 3, 4, 7]
     # Pooling never reaches into the sinks or the recent window: token 7's score is not a candidate's.
     scores = torch.tensor([9.0, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 9.0])
-    assert select_keep(scores, 1, 1, sinks=1, pool=3).tolist() == [0, 6, 7]
+    assert select_keep(scores, 1, 1, sink_tokens=1, pool=3).tolist() == [0, 6, 7]
 
 
 # --------------------------------------------------------------------------- prefill_chunk

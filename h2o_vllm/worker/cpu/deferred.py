@@ -156,7 +156,7 @@ class PendingQueries:
 
     def apply(self, decision: DeferredDecode, query: torch.Tensor, key_blocks: torch.Tensor,
               scores: torch.Tensor, scale: float, softcap: float = 0.0,
-              sinks: torch.Tensor | None = None) -> None:
+              sink_logits: torch.Tensor | None = None) -> None:
         """Keep this step's waiting queries, then score the flushing rows' (query: the batch's)."""
         if decision.store_tokens is not None:
             buffer = self._buffer(decision.capacity, query)
@@ -165,7 +165,7 @@ class PendingQueries:
         if flush is not None:
             waiting = self.buffer[flush.slots, :flush.num_queries]
             accumulate_row_queries(waiting, key_blocks, scores, flush.index, scale, flush.weights,
-                                   flush.factor, softcap, sinks)
+                                   flush.factor, softcap, sink_logits)
 
     def _buffer(self, capacity: int, query: torch.Tensor) -> torch.Tensor:
         if self.buffer is None or self.buffer.shape[0] < capacity:

@@ -38,7 +38,7 @@ class CPUOps:
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
                scores: torch.Tensor, scale: float, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None, deferred: DeferredDecode | None = None,
+               sink_logits: torch.Tensor | None = None, deferred: DeferredDecode | None = None,
                pending: PendingQueries | None = None) -> None:
         """The prefill rows' attention output into ``out`` and the step's scores (new slots
         zeroed first), after vLLM's kernel has attended the decode rows alone. Replaces the
@@ -47,29 +47,29 @@ class CPUOps:
         as it decides. query, out: [>= num_tokens, num_q_heads, head_size]."""
         zero_new_slots(step, scores)
         if deferred is not None:
-            pending.apply(deferred, query, views.key_blocks, scores, scale, softcap, sinks)
+            pending.apply(deferred, query, views.key_blocks, scores, scale, softcap, sink_logits)
         if deferred is None or deferred.immediate:
-            self._decode_scores(step, query, views, scores, scale, softcap, sinks)
-        self._prefill_rows(step, query, views, scores, scale, out, softcap, sinks)
+            self._decode_scores(step, query, views, scores, scale, softcap, sink_logits)
+        self._prefill_rows(step, query, views, scores, scale, out, softcap, sink_logits)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,
                    scores: torch.Tensor, scale: float, softcap: float = 0.0,
-                   sinks: torch.Tensor | None = None) -> None:
-        self._decode_scores(step, query, views, scores, scale, softcap, sinks)
-        self._prefill_rows(step, query, views, scores, scale, None, softcap, sinks)
+                   sink_logits: torch.Tensor | None = None) -> None:
+        self._decode_scores(step, query, views, scores, scale, softcap, sink_logits)
+        self._prefill_rows(step, query, views, scores, scale, None, softcap, sink_logits)
 
     def _decode_scores(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
-                       softcap: float, sinks: torch.Tensor | None) -> None:
+                       softcap: float, sink_logits: torch.Tensor | None) -> None:
         if step.device_index is None:
             return
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         tokens, rows = step.decode_tokens, step.decode_rows
         accumulate_decode_scores_at(query[tokens], views.key_blocks, scores, step.device_index(), scale,
                                     None if weights is None else weights[tokens],
-                                    None if factors is None else factors[rows], softcap, sinks)
+                                    None if factors is None else factors[rows], softcap, sink_logits)
 
     def _prefill_rows(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
-                      out: torch.Tensor | None, softcap: float, sinks: torch.Tensor | None) -> None:
+                      out: torch.Tensor | None, softcap: float, sink_logits: torch.Tensor | None) -> None:
         """Scores of the rows with several queries, and their attention output unless out is None."""
         if step.prefill_rows is None:
             return
@@ -83,7 +83,7 @@ class CPUOps:
                               None if out is None else out[tokens],
                               None if weights is None else weights[tokens],
                               None if factors is None else factors[row],
-                              0 if firsts is None else firsts[i], softcap, sinks)
+                              0 if firsts is None else firsts[i], softcap, sink_logits)
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

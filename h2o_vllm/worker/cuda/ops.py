@@ -41,7 +41,7 @@ class TritonOps:
     def attend(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                out: torch.Tensor, scores: torch.Tensor, scale: float,
                query_start_loc: torch.Tensor, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None) -> None:
+               sink_logits: torch.Tensor | None = None) -> None:
         """The step's attention output into out and its scores into scores, from the same
         pass over K and V (kernels.h2o_attention); then, for rows with several queries, one
         more pass over their K with the log-sum-exp it returned. Replaces vLLM's
@@ -61,7 +61,7 @@ class TritonOps:
             query, views.keys, views.values, out[:num_tokens], step.block_table,
             query_start_loc[:num_rows + 1], step.kv_seq_lens, scale, scores=scores,
             decode_offsets=index.decode_offsets, num_decode_keys=index.num_decode_keys,
-            query_weight=weights, score_scale=factors, softcap=softcap, sinks=sinks)
+            query_weight=weights, score_scale=factors, softcap=softcap, sinks=sink_logits)
         if step.prefill_rows is not None:
             tokens, rows = step.prefill_tokens, step.prefill_rows
             q, q_lse, w = ((query, lse, weights) if tokens is None
@@ -74,7 +74,7 @@ class TritonOps:
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                    scores: torch.Tensor, scale: float, softcap: float = 0.0,
-                   sinks: torch.Tensor | None = None) -> None:
+                   sink_logits: torch.Tensor | None = None) -> None:
         """The unfused path (after vLLM's attention): the tested reference of attend."""
         from h2o_vllm import kernels
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
@@ -83,7 +83,7 @@ class TritonOps:
             kernels.accumulate_decode_scores(
                 query[tokens], views.keys, step.block_table[rows], step.kv_seq_lens[rows],
                 scores, scale, query_weight=_take(weights, tokens), score_scale=_take(factors, rows),
-                softcap=softcap, sinks=sinks)
+                softcap=softcap, sinks=sink_logits)
         if step.prefill_rows is not None:
             tokens, rows = step.prefill_tokens, step.prefill_rows
             q, w = (query, weights) if tokens is None else (query[tokens], _take(weights, tokens))
@@ -92,7 +92,7 @@ class TritonOps:
                 step.kv_seq_lens[rows], scores, scale,
                 max_query_len=step.max_prefill_query_len, max_kv_len=step.max_prefill_kv_len,
                 query_weight=w, score_scale=_take(factors, rows), first_scored=step.prefill_first_scored,
-                softcap=softcap, sinks=sinks)
+                softcap=softcap, sinks=sink_logits)
 
     def compact(self, views: TritonCacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

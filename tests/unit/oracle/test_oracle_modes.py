@@ -64,7 +64,7 @@ def test_modes_match_naive(model, prompts, mode, interval):
                 assert cache.positions[kv_head].tolist() == positions, (len(prompt), layer, kv_head)
                 torch.testing.assert_close(cache.scores[kv_head], torch.tensor(scores, dtype=torch.float32),
                                            rtol=1e-3, atol=1e-4)
-                sinks = state.budget.sinks
+                sinks = state.budget.sink_tokens
                 assert cache.positions[kv_head, :sinks].tolist() == list(range(sinks))
     assert compacted >= 2
 
@@ -82,7 +82,7 @@ def test_each_mode_changes_what_paper_h2o_keeps(model, prompts, mode):
             assert a.budget.tokens == max(32, b.budget.tokens)
             assert a.kv_len >= min(32, a.num_tokens) and b.kv_len < 32
         else:
-            assert a.budget.tokens == b.budget.tokens + a.budget.sinks - b.budget.sinks
+            assert a.budget.tokens == b.budget.tokens + a.budget.sink_tokens - b.budget.sink_tokens
 
 
 def test_decay_and_window_change_generated_tokens(model, prompts):

@@ -100,7 +100,7 @@ SCHEDULE = ([({0: 20, 1: 9, 2: 33}, ())] + [({0: 1, 1: 1, 2: 1}, ())] * 10
 
 @pytest.mark.parametrize("budget", [
     Budget(heavy=4, recent=4, interval=4), Budget(heavy=4, recent=4, interval=40),
-    Budget(heavy=3, recent=5, interval=6, sinks=1, decay=0.9, obs_window=4),
+    Budget(heavy=3, recent=5, interval=6, sink_tokens=1, decay=0.9, obs_window=4),
     Budget(heavy=3, recent=5, interval=1, decay=0.95)],
     ids=["paper", "paper-rare-compactions", "weighted", "every-step"])
 def test_deferred_scores_equal_scoring_every_step(budget):

@@ -76,7 +76,7 @@ def test_query_weights_follow_budget_query_weight_and_decay():
     """Token j of row r (logical position i = num_computed[r] + j, last position b) weighs
     decay^(b - i) * oracle_query_weight(budget, i, prompt_len); each row's old scores decay^q_len."""
     budgets = [Budget(2, 2, 1, decay=0.9, obs_window=5), Budget(2, 2, 1),
-               Budget(2, 2, 1, sinks=1, obs_window=3), Budget(2, 2, 1, decay=0.5),
+               Budget(2, 2, 1, sink_tokens=1, obs_window=3), Budget(2, 2, 1, decay=0.5),
                Budget(2, 2, 1, obs_window=2, prefill_chunk=4)]
     # Row 0 straddles its window; row 4 (chunks of 4, each scored by its last 2) two chunks.
     computed, query, prompt = [4, 0, 2, 40, 2], [6, 3, 1, 1, 5], [12, 3, 7, 30, 11]

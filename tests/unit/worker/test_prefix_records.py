@@ -283,7 +283,7 @@ def test_first_compaction_into_fresh_blocks_leaves_the_old_blocks_alone(kind):
     """A prompt of 13 compacted at its end (budget 2 + 2 + sink 1 -> 5 tokens, 2 blocks): with
     fresh blocks the result lands in them and equals the in-place compaction's, and the
     row's own blocks (what the prefix cache indexes) keep their K/V."""
-    budget = Budget(2, 2, 4, sinks=1)
+    budget = Budget(2, 2, 4, sink_tokens=1)
     plan = make_step_plan(t([8, 0]), t([5, 6]), t([13, 6]), [budget, Budget(**WIDE)])
     assert plan.due.tolist() == [True, False] and int(plan.kv_lens_after[0]) == 5
     table = _table(2, 4, seed=10)

@@ -97,8 +97,8 @@ PAPER = Budget(4, 4, 4)
 # Rows A (prompt 20, at once) and B (prompt 13, in chunks of 8 and 5) of the cross-device
 # test: paper H2O, or one row weighted (decay, observation window, sinks) beside a paper row.
 BUDGETS = {"paper": (PAPER, PAPER),
-           "decay-sinks": (Budget(4, 4, 4, sinks=2, decay=0.9), PAPER),
-           "window": (PAPER, Budget(4, 4, 4, sinks=1, decay=0.8, obs_window=7))}
+           "decay-sinks": (Budget(4, 4, 4, sink_tokens=2, decay=0.9), PAPER),
+           "window": (PAPER, Budget(4, 4, 4, sink_tokens=1, decay=0.8, obs_window=7))}
 
 
 @pytest.mark.parametrize("budgets", list(BUDGETS))
