@@ -20,8 +20,8 @@ from pathlib import Path
 
 import requests
 
-from h2o_vllm.tools.prometheus import LocalPrometheus, dashboard_queries
-from h2o_vllm.tools.server import results_subdir, run_header, served_model, start_server, stop_server
+from h2o_devtools.prometheus import LocalPrometheus, dashboard_queries
+from h2o_devtools.server import results_subdir, run_header, served_model, start_server, stop_server
 
 FLAGS = ["--kv-eviction", "h2o", "--h2o-heavy-ratio", "0.1", "--h2o-recent-ratio", "0.1",
          "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32", "--enforce-eager"]

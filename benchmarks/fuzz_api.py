@@ -21,9 +21,9 @@ from collections import Counter
 import requests
 
 from h2o_vllm.config import REQUEST_KEYS
-from h2o_vllm.tools.models import TINY_CHAT_TEMPLATE
-from h2o_vllm.tools.soak import STOCK_PLUGINS
-from h2o_vllm.tools.server import results_subdir, run_header, served_model, start_server, stop_server
+from h2o_devtools.models import TINY_CHAT_TEMPLATE
+from h2o_devtools.soak import STOCK_PLUGINS
+from h2o_devtools.server import results_subdir, run_header, served_model, start_server, stop_server
 
 OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/responses"]
 COMMON = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--block-size", "32",

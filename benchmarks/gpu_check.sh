@@ -9,7 +9,7 @@
 #   ONLY=engine,load benchmarks/gpu_check.sh     # setup, then only these GPU steps
 #
 # vLLM: the environment's, if `import vllm` works; otherwise the offline bundle (make gpu-bundle,
-# benchmarks/gpu_bundle/README.md), installed with pip --no-index --no-deps into a temporary
+# packaging/gpu_bundle/README.md), installed with pip --no-index --no-deps into a temporary
 # folder put on PYTHONPATH. The dry run always installs the bundle, into a clean folder.
 # Every step runs even if an earlier one failed, under its own time cap (STEP_CAPS below, in
 # seconds, overridable as CAP_<step>=N); the exit status is non-zero if any failed.
@@ -32,7 +32,8 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 export PYTHONUNBUFFERED=1 GPU_CHECK_DRY_RUN=$DRY_RUN GPU_CHECK_COMMAND="$0 $*"
-export PYTHONPATH="$REPO:$REPO/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout (h2o_vllm, h2o_devtools) and packaging/ (the gpu_bundle helpers).
+export PYTHONPATH="$REPO:$REPO/packaging${PYTHONPATH:+:$PYTHONPATH}"
 STEPS_FILE=$OUT/steps.txt; : > "$STEPS_FILE"
 # Throughput workload (issue 13): 512 in / 1024 out, ignore_eos; a pool of 16 full sequences
 # (16 x 1536 tokens / 16 per block) for both sides.

@@ -7,7 +7,7 @@ keep-alive connection (an httpx pool of 1, openai client, ``max_retries=0``, htt
 to the end, then ``idle`` seconds of nothing, then the next request. The idle times sweep up to the
 server's keep-alive timeout (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) while background soak
 clients keep the server busy. Every request records whether it reused the connection, and every
-failure its exception chain and the transport phase it died in (``h2o_vllm.tools.soak``'s trace).
+failure its exception chain and the transport phase it died in (``h2o_devtools.soak``'s trace).
 
     python benchmarks/keepalive_race.py --minutes 3 --out /tmp/keepalive
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import soak as soak_bench  # noqa: E402  (benchmarks/soak.py: start_server, stop_server)
 
-from h2o_vllm.tools import soak  # noqa: E402
+from h2o_devtools import soak  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if args.server_keepalive is not None:
         os.environ["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(args.server_keepalive)
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     model_dir = str(models.build_tiny_llama(tempfile.mkdtemp(prefix="h2o-keepalive-tiny-")))
     server_args = soak_bench.parse_args([])   # the soak's server: same pool, same flags
     proc, url = soak_bench.start_server(server_args, model_dir, out / "logs" / "server.log")

@@ -6,7 +6,7 @@
 
 ``capacity`` runs one prompt per fresh engine (``--one``, a subprocess each) with the KV pool
 fixed by ``num_gpu_blocks_override`` and ``max_model_len`` = prompt + answer, prefix caching off,
-and reads the pool's peak from the in-process scheduler (``h2o_vllm.tools.bench.measure``).
+and reads the pool's peak from the in-process scheduler (``h2o_devtools.bench.measure``).
 ``throughput`` and ``quality`` call ``benchmarks/throughput.py`` and ``benchmarks/quality.py``
 with the issue's sizes and the ``@c<N>`` policies (``bench.CHUNK_SUFFIX``), then tabulate their JSON.
 Everything lands in ``--out`` (default ``benchmarks/results/<date>-<host>/long-prompts/<mode>/``).
@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def out_dir(args) -> Path:
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
     default = BENCHMARKS / "results" / f"{datetime.date.today()}-{socket.gethostname()}" / "long-prompts" / args.mode
     return bench.results_dir(args.out or str(default), __file__)
 
@@ -92,7 +92,7 @@ def out_dir(args) -> Path:
 
 def capacity_config(spec: str, prompt_len: int) -> tuple[dict | None, dict | None]:
     """(engine's additional_config["h2o"], the request's extra_args) of one ``--configs`` entry."""
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
     name, _, budget = spec.partition(":")
     if name == "stock":
         return None, None
@@ -131,7 +131,7 @@ def capacity_one(job: dict) -> dict:
 
     from h2o_vllm.config import H2OConfig, request_config
     from h2o_vllm.policy import request_peak_blocks
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
 
     a, length = job["args"], job["prompt_len"]
     engine_h2o, request = capacity_config(job["config"], length)
@@ -165,7 +165,7 @@ def capacity_one(job: dict) -> dict:
 
 
 def capacity(args, model: str, out: Path, env: dict) -> dict:
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
     runs = []
     for length in [int(x) for x in args.lengths.split(",")]:
         for spec in args.configs.split(","):
@@ -357,7 +357,7 @@ def quality_plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from h2o_vllm.tools import bench, models
+    from h2o_devtools import bench, models
     if args.one:
         bench.run_job_file(args.one, capacity_one)
         return {}

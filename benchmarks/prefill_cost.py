@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from h2o_vllm.tools import server, soak
+from h2o_devtools import server, soak
 
 #: Serve flags of each side past the common ones.
 SIDES = {
@@ -46,7 +46,7 @@ BENCH_FIELDS = ("completed", "failed", "duration", "output_throughput", "mean_tt
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
-    p.add_argument("--tiny", action="store_true", help="tiny random Llama (h2o_vllm.tools.models.build_tiny_llama)")
+    p.add_argument("--tiny", action="store_true", help="tiny random Llama (h2o_devtools.models.build_tiny_llama)")
     p.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES))
     p.add_argument("--lengths", default="512,2048,6000", help="prompt lengths in tokens, comma list")
     p.add_argument("--output-len", type=int, default=128)

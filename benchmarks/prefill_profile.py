@@ -3,8 +3,8 @@
 Each configuration runs in a fresh subprocess with an in-process engine (the CPU worker then
 runs in this process, one OpenMP thread by default, so wall time is CPU time). After a short
 warm-up prompt, one ``--prompt-len`` prompt of real text is prefilled (``max_tokens=1``) with
-the worker's parts wrapped in timers (``TIMED``): vLLM's attention kernel and K/V write, H2O's
-step metadata, score pass, compaction. torch.profiler with Python stacks was tried first: its
+the worker's parts wrapped in timers (``timed_parts``): vLLM's attention kernel and K/V write,
+H2O's step metadata, score pass, compaction. torch.profiler with Python stacks was tried first: its
 overhead tripled the step and its stacks did not reach the ops. Writes ``prefill_profile.json``
 and ``.md``.
 
@@ -20,19 +20,41 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-#: (part, module, attribute): callables timed in the worker. A part's time excludes the time
-#: of the parts nested in it; "model and the rest" is the step's wall time outside all of them.
-TIMED = [
-    ("vLLM attention kernel", "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward"),
-    ("K/V write", "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.do_kv_cache_update"),
-    ("H2O step metadata", "h2o_vllm.vllm_hooks.runner", "_plan_batch"),
-    ("H2O step metadata", "h2o_vllm.worker.core", "kv_space_metadata"),
-    # The rest of the per-layer sequence: the keep-sets (policy.select_keep) and the mass.
-    ("H2O keep-set selection", "h2o_vllm.worker.core", "update_scores_and_compact"),
-    ("H2O attention + scores", "h2o_vllm.worker.cpu.ops", "CPUOps.attend"),
-    ("H2O score pass", "h2o_vllm.worker.cpu.ops", "CPUOps.accumulate"),
-    ("H2O compaction", "h2o_vllm.worker.cpu.ops", "CPUOps.compact"),
-]
+
+def timed_parts() -> list[tuple[str, object, object]]:
+    """(part, owner, callable) of each callable timed in the worker, named by attribute reference:
+    a function renamed or moved fails here (and in tests/unit/benchmarks/test_prefill_profile.py),
+    not by timing nothing. vLLM's own come through the seam (``vllm_hooks.introspect``). A part's
+    time excludes the time of the parts nested in it; "model and the rest" is the step's wall time
+    outside all of them."""
+    from h2o_vllm.vllm_hooks import introspect
+    from h2o_vllm.worker import core, plan
+    from h2o_vllm.worker.cpu.ops import CPUOps
+
+    vllm_attention = introspect.cpu_attention_impl()
+    return [
+        ("vLLM attention kernel", vllm_attention, vllm_attention.forward),
+        ("K/V write", vllm_attention, vllm_attention.do_kv_cache_update),
+        # The runner hook's step plan (each request's budget resolved once, then this), and the
+        # attention metadata the builders derive from it.
+        ("H2O step metadata", plan, plan.make_step_plan),
+        ("H2O step metadata", core, core.kv_space_metadata),
+        # The rest of the per-layer sequence: the keep-sets (policy.select_keep) and the mass.
+        ("H2O keep-set selection", core, core.update_scores_and_compact),
+        ("H2O attention + scores", CPUOps, CPUOps.attend),
+        ("H2O score pass", CPUOps, CPUOps.accumulate),
+        ("H2O compaction", CPUOps, CPUOps.compact),
+    ]
+
+
+def attribute_name(owner, fn) -> str:
+    """The name under which ``owner`` holds ``fn`` (where callers look it up), or an error."""
+    import inspect
+    name = fn.__name__
+    if inspect.getattr_static(owner, name, None) is not fn:
+        raise RuntimeError(f"{getattr(owner, '__name__', owner)}.{name} is not {fn.__qualname__}: "
+                           "update benchmarks/prefill_profile.py timed_parts()")
+    return name
 
 
 class PartTimer:
@@ -58,14 +80,8 @@ class PartTimer:
         return timed
 
     def install(self) -> None:
-        import importlib
-        for part, module, attr in TIMED:
-            owner = importlib.import_module(module)
-            *path, name = attr.split(".")
-            for step in path:
-                owner = getattr(owner, step)
-            if hasattr(owner, name):  # CPUOps.attend: not before issue 24
-                setattr(owner, name, self.wrap(part, getattr(owner, name)))
+        for part, owner, fn in timed_parts():
+            setattr(owner, attribute_name(owner, fn), self.wrap(part, fn))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +102,7 @@ def run_one(job: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
 
     policy, _, budget = job["config"].partition(":")
     h2o = bench.h2o_config(policy, float(budget) if budget else None)
@@ -119,8 +135,8 @@ def to_markdown(results: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    from h2o_vllm.tools import bench
-    from h2o_vllm.tools.models import smollm2_dir
+    from h2o_devtools import bench
+    from h2o_devtools.models import smollm2_dir
 
     a = parse_args(argv)
     if a.one:

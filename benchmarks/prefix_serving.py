@@ -34,7 +34,7 @@ from pathlib import Path
 
 import requests
 
-from h2o_vllm.tools import server, soak
+from h2o_devtools import server, soak
 
 SIDES = ("stock-pc", "h2o-nopc", "h2o-pc")
 LABELS = {"stock-pc": "stock vLLM + prefix caching", "h2o-nopc": "H2O, no prefix caching",
@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF model directory (default: offline SmolLM2-135M-Instruct)")
     p.add_argument("--tiny", action="store_true",
-                   help="tiny random Llama (h2o_vllm.tools.models.build_tiny_llama) and small sizes: "
+                   help="tiny random Llama (h2o_devtools.models.build_tiny_llama) and small sizes: "
                         + ", ".join(f"{k}={v}" for k, v in TINY.items()))
     p.add_argument("--sides", default=",".join(SIDES), help="comma list of " + ", ".join(SIDES))
     p.add_argument("--prefix-len", type=int, default=None, help=f"tokens (default {DEFAULTS['prefix_len']})")

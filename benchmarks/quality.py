@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default="h2o,local,decay,sinks,window,window+sinks,pool,window+pool,"
                                           "window+pool+sinks",
                    help="policies beside the full cache: h2o (paper), local, and the score modes of "
-                        "h2o_vllm.tools.bench.MODES")
+                        "h2o_devtools.bench.MODES")
     p.add_argument("--texts", default="gpl3,devil",
                    help="gpl3, jargon, devil or paths; missing ones are skipped with a warning")
     p.add_argument("--tasks", default="ppl,gen,passkey")
@@ -68,7 +68,7 @@ def policies(budgets: list[float], names=("h2o", "local")) -> list[tuple[str, st
 
 
 def available_texts(names: str) -> dict[str, list[int]]:
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
     texts = {}
     for name in names.split(","):
         try:
@@ -133,7 +133,7 @@ def run_engine(job: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
 
     a = job["args"]
     extra = {"additional_config": {"h2o": {"heavy_ratio": 0.1, "recent_ratio": 0.1}}} if job["h2o"] else {}
@@ -193,7 +193,7 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
     from h2o_vllm.config import H2OConfig
     from h2o_vllm.oracle import H2OOracle
 
@@ -222,10 +222,10 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.one:
-        from h2o_vllm.tools import bench
+        from h2o_devtools import bench
         bench.run_job_file(args.one, run_engine)
         return {}
-    from h2o_vllm.tools import bench, models
+    from h2o_devtools import bench, models
 
     model = str(models.model_dir(args.model))
     host = socket.gethostname()

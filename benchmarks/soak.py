@@ -10,10 +10,10 @@ request; its invalid requests carry a negative temperature instead). After a war
 again at the end, the script waits for the engine to go idle and reads its ``/metrics``
 (``vllm:kv_cache_usage_perc``, ``h2o_vllm:live_kv_tokens``, ``vllm:num_requests_running``) and
 the server group's resident memory. Nothing is retried: every failed request is counted, with
-its failure class (``h2o_vllm.tools.soak.classify``).
+its failure class (``h2o_devtools.soak.classify``).
 
 Writes ``soak.json`` (both sides) and ``soak.md`` (the side-by-side table) into
-``benchmarks/results/<date>-<host>/``. The client logic is ``h2o_vllm.tools.soak``, shared with
+``benchmarks/results/<date>-<host>/``. The client logic is ``h2o_devtools.soak``, shared with
 ``tests/server/test_soak.py``.
 
     python benchmarks/soak.py                                 # 3 minutes per side, 16 clients, tiny Llama
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import requests
 
-from h2o_vllm.tools import server, soak
+from h2o_devtools import server, soak
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--client-keepalive", type=float, default=None, metavar="SECONDS",
                    help="pool idle connections for reuse with this httpx keepalive_expiry (default: "
-                        "none pooled, each request its own connection; see h2o_vllm.tools.soak.KEEPALIVE_EXPIRY_S)")
+                        "none pooled, each request its own connection; see h2o_devtools.soak.KEEPALIVE_EXPIRY_S)")
     p.add_argument("--rss-bound-mib", type=float, default=512.0,
                    help="rss_ok: growth from the end of the warm-up to the end <= this. The CPU worker's "
                         "RSS grows as new batch shapes arrive and levels off (stock vLLM too)")
@@ -240,14 +240,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from h2o_vllm.tools import models
+        from h2o_devtools import models
         model = str(models.build_tiny_llama(tempfile.mkdtemp(prefix="h2o-soak-tiny-")))
 
     results = {side: run_side(args, side, model, out) for side in sides}
     report = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": host,
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "model": model if args.model else "tiny-llama (h2o_vllm.tools.models.build_tiny_llama)",
+        "model": model if args.model else "tiny-llama (h2o_devtools.models.build_tiny_llama)",
         "args": vars(args),
         "keepalive": {"client_expiry_s": args.client_keepalive,
                       "client_pools_idle_connections": args.client_keepalive is not None,

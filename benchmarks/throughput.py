@@ -79,7 +79,7 @@ def run_one(job: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
 
     a = job["args"]
     h2o = bench.h2o_config(job["policy"], job["budget"], job["max_model_len"], a["block_size"])
@@ -105,12 +105,12 @@ def run_one(job: dict) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.one:
-        from h2o_vllm.tools import bench
+        from h2o_devtools import bench
         bench.run_job_file(args.one, run_one)
         return {}
     from vllm.utils.math_utils import cdiv
 
-    from h2o_vllm.tools import bench, models
+    from h2o_devtools import bench, models
 
     model = str(models.model_dir(args.model))
     max_model_len = cdiv(args.prompt_len + args.output_len, args.block_size) * args.block_size

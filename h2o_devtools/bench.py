@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h2o_vllm.tools.models import default_cache_dir
+from h2o_devtools.models import default_cache_dir
 
 #: Real English text available offline: Debian ships GPL-3 everywhere; the other two come from
 #: `apt-get install jargon-text` and `apt-get download dict-devil` + `dpkg-deb -x` into
@@ -178,7 +178,7 @@ class RunStats:
     peak_blocks_allocated: int = 0  # pool blocks not free right after any allocation (in-step peak)
     running: list[int] = field(default_factory=list)      # per step, after it
     blocks_used: list[int] = field(default_factory=list)  # per step, after it
-    held_by_kind: dict[str, list[int]] = field(default_factory=dict)  # per step: held_blocks_by_kind
+    held_by_kind: dict[str, list[int]] = field(default_factory=dict)  # per step, by attention kind
 
     def summary(self) -> dict[str, Any]:
         def mean(xs):
@@ -195,27 +195,10 @@ class RunStats:
         return out
 
 
-def held_blocks_by_kind(scheduler) -> dict[str, int]:
-    """Blocks the scheduler's requests hold, by the attention of their KV-cache group:
-    "global" (full attention: H2O's) and, for a hybrid model, "sliding" (vLLM's window). A
-    block is the same memory in every group (vLLM pages them uniformly), so the split is the
-    KV memory's. The null blocks standing for a window's dropped past hold nothing."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    held: dict[str, int] = {}
-    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
-        kind = "sliding" if isinstance(manager.kv_cache_spec, SlidingWindowSpec) else "global"
-        held[kind] = held.get(kind, 0) + sum(
-            not block.is_null for blocks in manager.req_to_blocks.values() for block in blocks)
-    return held
-
-
 def scheduler_of(llm):
     """The in-process scheduler (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    if core is None:
-        raise RuntimeError("measure() needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (an in-process engine core)")
-    return core.scheduler
+    from h2o_vllm.vllm_hooks import introspect
+    return introspect.in_process_scheduler(llm.llm_engine)
 
 
 def preemptions(llm) -> int:
@@ -232,26 +215,24 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     """Submit every prompt at once, step the engine to the end, sample the scheduler per step.
 
     running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
-    excluded); held_by_kind: ``held_blocks_by_kind``; peak_blocks_allocated: the same right
-    after each ``BlockPool.get_new_blocks`` (a step's peak, before the compactions it ends
-    with free blocks); preemptions: vLLM's own counter over the run (``preemptions``).
+    excluded); held_by_kind: ``introspect.held_blocks_by_kind``; peak_blocks_allocated: the
+    same right after each ``BlockPool.get_new_blocks`` (a step's peak, before the compactions
+    it ends with free blocks); preemptions: vLLM's own counter over the run (``preemptions``).
     ``progress``: a tqdm bar advanced per finished request.
     """
+    from h2o_vllm.vllm_hooks import introspect
+
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)
-    pool = scheduler.kv_cache_manager.block_pool
+    pool = introspect.block_pool(scheduler)
     stats = RunStats(num_requests=len(prompts), num_blocks=pool.num_gpu_blocks - 1)
 
-    def tracking_get_new_blocks(*args, **kwargs):
-        blocks = get_new_blocks(*args, **kwargs)
+    def allocated():
         stats.peak_blocks_allocated = max(stats.peak_blocks_allocated,
                                           pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
-        return blocks
 
-    get_new_blocks = pool.get_new_blocks
-    pool.get_new_blocks = tracking_get_new_blocks
     preempted_before = preemptions(llm)
-    try:
+    with introspect.after_each_allocation(pool, allocated):
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
@@ -260,7 +241,7 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
             stats.num_steps += 1
             stats.running.append(len(scheduler.running))
             stats.blocks_used.append(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
-            for kind, held in held_blocks_by_kind(scheduler).items():
+            for kind, held in introspect.held_blocks_by_kind(scheduler).items():
                 stats.held_by_kind.setdefault(kind, []).append(held)
             for out in outputs:
                 if out.finished:
@@ -270,6 +251,4 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
                         progress.update(1)
         stats.elapsed_s = time.perf_counter() - start
         stats.num_preemptions = preemptions(llm) - preempted_before
-    finally:
-        del pool.get_new_blocks
     return stats

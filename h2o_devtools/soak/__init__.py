@@ -12,13 +12,13 @@ Two sides run the same load: ``h2o`` (per-request budgets in ``vllm_xargs``) and
 (``SoakConfig.h2o=False``: the same prompts, lengths, actions and seeds, no ``h2o_*`` key; its
 invalid requests carry a value stock vLLM refuses instead).
 """
-from h2o_vllm.tools.soak.jobs import (BAD, BAD_BUDGET, BUDGETS, CANCEL, CLOSE, FULL, STOCK_BAD,
+from h2o_devtools.soak.jobs import (BAD, BAD_BUDGET, BUDGETS, CANCEL, CLOSE, FULL, STOCK_BAD,
                                       STOCK_PLUGINS, TOKEN_IDS, Job, SoakConfig, plan)
-from h2o_vllm.tools.soak.outcome import Outcome, summarize
-from h2o_vllm.tools.soak.transport import (KEEPALIVE_EXPIRY_S, classify, http_client,
+from h2o_devtools.soak.outcome import Outcome, summarize
+from h2o_devtools.soak.transport import (KEEPALIVE_EXPIRY_S, classify, http_client,
                                            note_connection, trace_connections)
-from h2o_vllm.tools.soak.client import run, run_job
-from h2o_vllm.tools.soak.readings import IDLE_GAUGES, STOCK_IDLE_GAUGES, group_rss, scrape, wait_idle
+from h2o_devtools.soak.client import run, run_job
+from h2o_devtools.soak.readings import IDLE_GAUGES, STOCK_IDLE_GAUGES, group_rss, scrape, wait_idle
 
 __all__ = [
     "BAD", "BAD_BUDGET", "BUDGETS", "CANCEL", "CLOSE", "FULL", "IDLE_GAUGES", "Job",

@@ -10,9 +10,9 @@ import asyncio
 import time
 from typing import Iterable
 
-from h2o_vllm.tools.soak.outcome import Outcome
-from h2o_vllm.tools.soak.jobs import BAD, CANCEL, CLOSE, Job
-from h2o_vllm.tools.soak.transport import KEEPALIVE_EXPIRY_S, _current, _release, classify, http_client
+from h2o_devtools.soak.outcome import Outcome
+from h2o_devtools.soak.jobs import BAD, CANCEL, CLOSE, Job
+from h2o_devtools.soak.transport import KEEPALIVE_EXPIRY_S, _current, _release, classify, http_client
 
 
 async def _stream(client, model: str, job: Job, out: Outcome) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 import time
 
-from h2o_vllm.tools.soak.outcome import Outcome
+from h2o_devtools.soak.outcome import Outcome
 
 #: The clients' keep-alive: None, no connection is kept for reuse (each request opens its own;
 #: the default), or seconds of httpx ``keepalive_expiry``. Reusing idle connections made two

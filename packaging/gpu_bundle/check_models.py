@@ -1,7 +1,7 @@
 """The GPU check's models, built on the machine (no model can travel: gpu-device.md).
 
 - ``tiny-llama/``: the tests' tiny random GQA Llama with saved weights
-  (``h2o_vllm.tools.models.build_tiny_llama``): exactness against the dense oracle and the load check.
+  (``h2o_devtools.models.build_tiny_llama``): exactness against the dense oracle and the load check.
 - ``llama-8b-shape/``: ``config.json`` of a Llama-3-8B-shaped model (bf16) and a real tokenizer,
   no weights: vLLM's ``--load-format dummy`` fills random weights on the GPU. Throughput needs
   a real-sized model so that KV memory, not compute, bounds stock vLLM.
@@ -52,7 +52,7 @@ def build_llama_8b_shape(out: Path, tokenizer_dir: Path) -> Path:
 
 def default_tokenizer_dir() -> Path:
     """Without a bundle (vLLM installed): the project's SmolLM2 directory holds the same files."""
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     return models.smollm2_dir()
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tokenizer", type=Path, default=None, help="folder with tokenizer.json")
     a = p.parse_args(argv)
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
 
     tiny = models.build_tiny_llama(a.out / "tiny-llama")
     tokenizer = a.tokenizer if a.tokenizer and a.tokenizer.is_dir() else default_tokenizer_dir()

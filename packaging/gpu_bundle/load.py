@@ -45,20 +45,14 @@ def run(a: argparse.Namespace) -> dict:
     if a.bundle_settings:
         from gpu_bundle import settings
         kwargs = settings.apply(kwargs)
+    from h2o_vllm.vllm_hooks import introspect
+
     llm = LLM(a.model, **kwargs)
     engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
-    pool = scheduler.kv_cache_manager.block_pool
+    scheduler = introspect.in_process_scheduler(engine)
+    pool = introspect.block_pool(scheduler)
     free_before = pool.get_num_free_blocks()
-    preemptions = 0
-    original_preempt = scheduler._preempt_request
-
-    def counting_preempt(*args, **kw):
-        nonlocal preemptions
-        preemptions += 1
-        return original_preempt(*args, **kw)
-
-    scheduler._preempt_request = counting_preempt
+    preemptions = introspect.count_preemptions(scheduler)
     expected = {}
     for rid, prompt, max_tokens, budget in workload(a.num_requests, a.max_prompt, a.max_output,
                                                      a.vocab, a.seed):
@@ -84,7 +78,7 @@ def run(a: argparse.Namespace) -> dict:
     free_after = pool.get_num_free_blocks()
     idle = (free_after == free_before and not scheduler.running and not scheduler.waiting)
     result = {"num_requests": a.num_requests, "finished": len(finished), "failures": failures,
-              "peak_running": peak, "steps": steps, "preemptions": preemptions,
+              "peak_running": peak, "steps": steps, "preemptions": preemptions(),
               "seconds": round(time.perf_counter() - started, 2),
               "free_blocks_before": free_before, "free_blocks_after": free_after,
               "pool_idle_after": idle, "budgets": BUDGETS,

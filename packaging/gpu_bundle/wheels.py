@@ -111,7 +111,7 @@ def repack_pure(src: str | Path, out_dir: str | Path, replacements: dict[str, by
     if n != 1:
         raise ValueError(f"{src}: no Version line in METADATA")
     out[f"{new_info}/METADATA"] = metadata.encode()
-    out[f"{new_info}/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: h2o-vllm benchmarks/gpu_bundle\n"
+    out[f"{new_info}/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: h2o-vllm packaging/gpu_bundle\n"
                                 "Root-Is-Purelib: true\nTag: py3-none-any\n\n").encode()
     filename = f"{name}-{new_version}-py3-none-any.whl"
     return write_wheel(Path(out_dir) / filename, out), dropped

@@ -18,7 +18,7 @@ import torch
 from budgets import extra_args, oracle
 from engines import (V2_ENV, check_block_lists, greedy, model_runner_of, random_prompts, run_steps,
                      scheduler_of, start_in_fresh_process, vllm_engine)
-from h2o_vllm.tools import models
+from h2o_devtools import models
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 FAMILIES = [family for family in models.TINY_FAMILIES if family != "llama"]

@@ -79,7 +79,7 @@ PROMPTS = random_prompts(PROMPT_LENGTHS)
 def tiny_llama_dir(tmp_path_factory):
     """Two layers, not the suite's four: the interpreter's cost grows with every layer, and the
     second layer already attends over what the first one's eviction left."""
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2-layers"),
                                    num_layers=2)
 

@@ -37,5 +37,5 @@ def test_throughput_and_quality_flags(load_benchmark, tmp_path):
     args = module.parse_args(["quality", "--chunks", "64,256"])
     argv = module.quality_argv(args, "M", tmp_path)
     assert argv[argv.index("--policies") + 1] == "h2o,h2o@c64,h2o@c256,window+pool,window+pool@c64,window+pool@c256"
-    from h2o_vllm.tools import bench
+    from h2o_devtools import bench
     assert bench.h2o_config("window+pool@c64", 0.2) == {**bench.h2o_config("window+pool", 0.2), "prefill_chunk": 64}

@@ -143,7 +143,7 @@ HYBRID_CASES = [("tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-inter
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     return models.build_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", num_layers=2)
 
 
@@ -178,7 +178,7 @@ SWITCH_PROMPTS = random_prompts((17, 100), seed=4)
 
 @pytest.fixture(scope="module")
 def two_layer_dir(tmp_path_factory):
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2-layers"), num_layers=2)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from h2o_vllm.metrics import DIR_ENV
-from h2o_vllm.tools.server import free_port
+from h2o_devtools.server import free_port
 
 pytest.importorskip("ray", reason="Ray is the optional extra h2o-vllm[ray]")
 

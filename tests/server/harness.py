@@ -176,7 +176,7 @@ def expected_counts(prompt_len: int, num_generated: int, config, block_size: int
     return {"evicted_tokens": evicted, "compactions": compactions, "freed_blocks": freed}
 
 
-from h2o_vllm.tools.models import TINY_CHAT_TEMPLATE  # noqa: E402,F401  (the tests' import point)
+from h2o_devtools.models import TINY_CHAT_TEMPLATE  # noqa: E402,F401  (the tests' import point)
 
 
 def wait_for(predicate, timeout_s: float = 5.0):

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import Server, serving, wait_for
 
-from h2o_vllm.tools.prometheus import LocalPrometheus, dashboard_queries
+from h2o_devtools.prometheus import LocalPrometheus, dashboard_queries
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="no prometheus binary: apt-get install prometheus (make venv does)")

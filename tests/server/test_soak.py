@@ -5,7 +5,7 @@ against stock vLLM (plugin not loaded, same requests
 without ``h2o_*`` keys). Afterwards every KV block is free again (read from the engine's own
 /metrics), no request failed (nothing is retried; a failure prints its class and what the
 client saw), memory did not grow past a bound, and the server still answers. The long version
-is ``benchmarks/soak.py``; the client logic both use is ``h2o_vllm.tools.soak``."""
+is ``benchmarks/soak.py``; the client logic both use is ``h2o_devtools.soak``."""
 import asyncio
 import os
 
@@ -13,7 +13,7 @@ import pytest
 import requests
 from harness import Server, serving
 
-from h2o_vllm.tools import soak
+from h2o_devtools import soak
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64                 # 1024 KV slots for 16 clients of up to 320 + 128 tokens

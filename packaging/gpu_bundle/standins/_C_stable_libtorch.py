@@ -2,7 +2,7 @@
 
 Why it exists: the GPU machine cannot take the CUDA ``vllm`` wheel (311 MiB, and it pins another
 torch), so the bundle carries vLLM's Python files without their compiled extensions
-(``benchmarks/gpu_bundle/README.md``). ``vllm.platforms.cuda`` imports this module
+(``packaging/gpu_bundle/README.md``). ``vllm.platforms.cuda`` imports this module
 unconditionally to register the ``torch.ops._C`` ops. With custom ops off and eager execution a
 Llama still reaches a few of them directly, so this module registers plain torch bodies for
 those and answers vLLM's capability queries (cutlass and friends) with "unsupported", which
@@ -12,7 +12,7 @@ where it is called: the bundle is for dense Llama models on vLLM's Triton attent
 The bodies are written from each op's schema and vLLM's Python reference implementations
 (``vllm.ir.ops`` rms norms, ``SiluAndMul.forward_native``, ``RotaryEmbedding.forward_static``,
 ``apply_repetition_penalties_torch``) and are tested against them on the CPU
-(``tests/unit/benchmarks/test_gpu_bundle_standins.py``). They favour being obviously right over speed.
+(``tests/unit/packaging/test_gpu_bundle_standins.py``). They favour being obviously right over speed.
 """
 from __future__ import annotations
 

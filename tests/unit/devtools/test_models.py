@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from h2o_vllm.tools import models
+from h2o_devtools import models
+from h2o_devtools.models import real
 
 GPL3_START = "This program is free software: you can redistribute it and/or modify"
 
@@ -117,7 +118,7 @@ def test_a_gemma3_gguf_whose_defaults_moved_is_refused():
     config = SimpleNamespace(query_pre_attn_scalar=256, sliding_window=512, num_hidden_layers=18,
                              rope_parameters={"sliding_attention": {"rope_theta": 10000.0}},
                              layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3)
-    models._check_gemma3_config(config)
+    real._check_gemma3_config(config)
     config.query_pre_attn_scalar = 64
     with pytest.raises(ValueError, match="query_pre_attn_scalar"):
-        models._check_gemma3_config(config)
+        real._check_gemma3_config(config)

@@ -1,6 +1,6 @@
-"""tools.soak.jobs.plan: seeded, within max_model_len, and a share of prompts on shared prefixes
+"""soak.jobs.plan: seeded, within max_model_len, and a share of prompts on shared prefixes
 (the soak's prefix-cache hits)."""
-from h2o_vllm.tools.soak import jobs
+from h2o_devtools.soak import jobs
 
 
 def test_plan_is_seeded_and_fits_the_model_length():

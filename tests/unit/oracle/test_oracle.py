@@ -178,14 +178,14 @@ def recomputed_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("family", sorted(__import__("h2o_vllm.tools.models", fromlist=["x"]).TINY_FAMILIES))
+@pytest.mark.parametrize("family", sorted(__import__("h2o_devtools.models", fromlist=["x"]).TINY_FAMILIES))
 def test_without_eviction_every_family_is_transformers_generate(family, tmp_path):
     """The oracle's forward is each family's own (transformers' attention registry): with no
     eviction it is transformers' eager greedy decoding, Gemma 2's soft-capped logits and Gemma
     3's sliding-window layers included (prompts up to 40 tokens outgrow its 24-token window)."""
     from transformers import AutoModelForCausalLM
 
-    from h2o_vllm.tools import models
+    from h2o_devtools import models
     model_dir = models.build_tiny_model(tmp_path, family, num_layers=2)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                               attn_implementation="eager").eval()

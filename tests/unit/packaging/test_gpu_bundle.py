@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[3]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "packaging"))
 from gpu_bundle import build, bundle, settings, wheels  # noqa: E402
 
 ELF = b"\x7fELF" + b"\0" * 60

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-STANDIN = Path(__file__).parents[3] / "benchmarks" / "gpu_bundle" / "standins" / "_C_stable_libtorch.py"
+STANDIN = Path(__file__).parents[3] / "packaging" / "gpu_bundle" / "standins" / "_C_stable_libtorch.py"
 
 
 @pytest.fixture(scope="module")

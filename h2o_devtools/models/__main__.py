@@ -1,0 +1,3 @@
+from h2o_devtools.models import main
+
+main()
