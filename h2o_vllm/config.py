@@ -6,6 +6,7 @@ the same rules apply everywhere and an invalid dict fails before any model weigh
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -238,3 +239,13 @@ def request_config(base: H2OConfig, extra_args: Mapping[str, Any] | None) -> H2O
     """The config one request runs with: ``base`` with its ``extra_args`` overrides, if any."""
     overrides = request_overrides(extra_args)
     return base.with_overrides(overrides) if overrides else base
+
+
+#: The environment switch of the test mode that runs H2O's CUDA path inside vLLM's CPU engine,
+#: every Triton kernel interpreted (``vllm_hooks.triton_on_cpu``); here because process 0's
+#: settings (``frontend.cuda_config``) read it as well as the hooks.
+TRITON_ON_CPU_SWITCH = "H2O_VLLM_TRITON_ON_CPU"
+
+
+def triton_on_cpu_enabled() -> bool:
+    return os.environ.get(TRITON_ON_CPU_SWITCH, "0").strip().lower() in ("1", "true")

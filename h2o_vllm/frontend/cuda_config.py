@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from h2o_vllm.config import TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
+
 logger = logging.getLogger("h2o_vllm")
 
 _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
@@ -34,10 +36,9 @@ def _platform_is_cuda() -> bool:
 def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
     """Before vLLM builds its config (``EngineArgs`` fields; the environment for the runner).
     The backend choice also applies to the CUDA path run on the CPU (``H2O_VLLM_TRITON_ON_CPU``)."""
-    from h2o_vllm.vllm_hooks import triton_on_cpu
     is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
-    if is_cuda or triton_on_cpu.enabled():
-        _choose_backend(args, "on CUDA" if is_cuda else f"with {triton_on_cpu.SWITCH}=1")
+    if is_cuda or triton_on_cpu_enabled():
+        _choose_backend(args, "on CUDA" if is_cuda else f"with {TRITON_ON_CPU_SWITCH}=1")
     if not is_cuda:
         return
     from vllm.config import CompilationConfig

@@ -1,7 +1,7 @@
 """Triton kernel that compacts rows of the paged cache: kept K, V and scores move to [0, target).
 
 Runs in the worker process (CUDA path), after score accumulation, for the rows whose cadence
-says so (ARCHITECTURE.md, "Eviction" and "Worker side"). key_cache and value_cache:
+says so (docs/semantics.md, "Eviction" and "Worker side"). key_cache and value_cache:
 [num_blocks, block_size, num_kv_heads, head_size]; scores: [num_blocks, num_kv_heads,
 block_size] fp32, KV-space. Positions [target, old kv_len) are left as they are.
 """

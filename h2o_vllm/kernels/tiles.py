@@ -3,7 +3,7 @@ online-softmax step, and log2(e).
 
 Cache layout as vLLM's GPU backends (FlashAttention / Triton attention): key_cache [num_blocks,
 block_size, num_kv_heads, head_size]; scores [num_blocks, num_kv_heads, block_size] fp32,
-KV-space. See ARCHITECTURE.md, "Score".
+KV-space. See docs/semantics.md, "Score".
 """
 from __future__ import annotations
 

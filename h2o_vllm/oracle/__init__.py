@@ -1,6 +1,6 @@
 """The dense H2O oracle: a Hugging Face causal LM plus plain torch, no vLLM.
 
-The independent side of every token-for-token test (ARCHITECTURE.md, "What H2O is, precisely"):
+The independent side of every token-for-token test (docs/semantics.md, "What H2O is, precisely"):
 it imports ``h2o_vllm.config`` and torch only (the model is a Hugging Face module), never
 ``policy``, ``worker`` or vLLM. It honours every field of ``Budget``: heavy, recent (with the
 ``min_tokens`` floor), interval, sinks, decay and the observation window (``query_weight``);

@@ -1,6 +1,6 @@
 """Per-sequence, per-layer H2O state of the dense oracle: live K/V, logical positions, scores.
 
-Runs in the caller's process (tests, benchmarks); no vLLM. Semantics: ARCHITECTURE.md,
+Runs in the caller's process (tests, benchmarks); no vLLM. Semantics: docs/semantics.md,
 "What H2O is, precisely".
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The dense H2O oracle: a Hugging Face causal LM whose attention is replaced, through
-transformers' attention-function registry, by real eviction of K/V (ARCHITECTURE.md, "What H2O
+transformers' attention-function registry, by real eviction of K/V (docs/semantics.md, "What H2O
 is, precisely"). Runs in the caller's process; no vLLM.
 
 The model's own forward runs every step (embeddings, RoPE or learned positions, qk-norm, fused

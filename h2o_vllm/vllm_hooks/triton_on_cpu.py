@@ -39,9 +39,10 @@ import os
 import sys
 from types import ModuleType
 
+from h2o_vllm.config import TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
 from h2o_vllm.vllm_hooks.seam import _wrap
 
-SWITCH = "H2O_VLLM_TRITON_ON_CPU"
+SWITCH = TRITON_ON_CPU_SWITCH
 CUDA_BACKEND = "h2o_vllm.worker.cuda.backend.H2OTritonAttentionBackend"
 OP_MODULES = (
     "vllm.v1.attention.ops.triton_attention_helpers",  # first: unified_attention imports it
@@ -55,7 +56,7 @@ INTERPRETED_SOFTMAX_SEGMENTS = 2
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "0").strip().lower() in ("1", "true")
+    return triton_on_cpu_enabled()
 
 
 def check_switch(is_cuda: bool, interpret: bool) -> None:

@@ -3,7 +3,7 @@ each live key. (Rows with several queries: ``prefill.py``.)
 
 Runs in the worker process. The stock CPU kernel returns no probabilities, so a decode row's
 are recomputed here against the same live keys (fp32), summed over each KV head's query group
-and added into the layer's score buffer (ARCHITECTURE.md, "Score").
+and added into the layer's score buffer (docs/semantics.md, "Score").
 Keys are read whole blocks at a time in the cache's own layout (``layout.py``: K transposed,
 [num_blocks, num_kv_heads, head_size, block_size]) and scores are added per block with
 ``index_add_``: no per-token gathers. Positions past a row's length get probability exactly
