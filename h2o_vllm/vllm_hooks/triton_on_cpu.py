@@ -80,7 +80,7 @@ def install() -> None:
     check_switch(current_platform.is_cuda(), bool(triton.knobs.runtime.interpret))
     if v2_requested():
         _hand_out_real_triton()
-    _import_ops_with_real_triton()
+    import_ops_with_real_triton()
     triton_attn = importlib.import_module("vllm.v1.attention.backends.triton_attn")
     triton_attn.NUM_PAR_SOFTMAX_SEGMENTS = INTERPRETED_SOFTMAX_SEGMENTS
     _wrap("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls", _select_triton_backends)
@@ -131,7 +131,7 @@ def _is_placeholder(module: ModuleType) -> bool:
     return isinstance(getattr(module, "triton", None), TritonPlaceholder)
 
 
-def _import_ops_with_real_triton() -> None:
+def import_ops_with_real_triton() -> None:
     import triton
     import triton.language as tl
     utils = importlib.import_module("vllm.triton_utils")

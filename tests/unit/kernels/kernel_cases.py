@@ -122,5 +122,5 @@ def vllm_unified_attention():
     from vllm.v1.attention.ops import triton_unified_attention as ua
     if not hasattr(ua.kernel_unified_attention, "run"):
         from h2o_vllm.vllm_hooks import triton_on_cpu
-        triton_on_cpu._import_ops_with_real_triton()  # reloads ua in place
+        triton_on_cpu.import_ops_with_real_triton()  # reloads ua in place
     return ua.unified_attention
