@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Iterator, Sequence
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
@@ -23,20 +23,15 @@ from h2o_vllm.worker.plan import StepPlan
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
 
-_announced: set[str] = set()
-
-
 def announce_backend(backend: str, how: str, vllm_config) -> None:
     """One INFO line per worker process naming the H2O attention backend it runs, and the
     model runner and scheduling it runs under, so that H2O is never on unseen (vLLM's
-    handlers print the ``vllm.`` loggers)."""
-    if backend not in _announced:
-        _announced.add(backend)
-        runner = "V2" if vllm_config.use_v2_model_runner else "V1"
-        scheduling = "async" if vllm_config.scheduler_config.async_scheduling else "sync"
-        logging.getLogger("vllm.h2o_vllm").info(
-            "h2o: attention backend %s (%s); vLLM model runner %s, %s scheduling", backend, how,
-            runner, scheduling)
+    handlers print the ``vllm.`` loggers; its ``info_once`` keeps the line to one)."""
+    runner = "V2" if vllm_config.use_v2_model_runner else "V1"
+    scheduling = "async" if vllm_config.scheduler_config.async_scheduling else "sync"
+    init_logger("vllm.h2o_vllm").info_once(
+        "h2o: attention backend %s (%s); vLLM model runner %s, %s scheduling", backend, how,
+        runner, scheduling)
 
 
 def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
