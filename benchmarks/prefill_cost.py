@@ -9,7 +9,7 @@ own load tool, ``h2o-vllm bench serve --dataset-name random`` (``--random-input-
 requests one at a time, then ``--concurrent-prompts`` with ``--concurrency`` in flight. Sides
 (``--sides``): ``stock`` (the plugin not loaded), ``h2o`` (paper H2O, 20%: heavy 0.1 + recent
 0.1, no floor) and ``window+pool`` (the recommended score mode: observation window 32 + pooling
-15). Writes ``prefill_cost.json``, ``prefill_cost.md`` (the README table: each H2O side's TTFT
+15). Writes ``prefill_cost.json``, ``prefill_cost.md`` (the docs/results.md table: each H2O side's TTFT
 as a ratio of stock's in the same run) and ``prefill_cost.png`` into
 ``benchmarks/results/<date>-<host>/prefill-cost/`` (``--out``); bench JSONs in ``bench/``,
 logs in ``logs/``.

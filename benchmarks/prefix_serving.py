@@ -16,7 +16,7 @@ prefix-cache hit rate from the server's own counters (``vllm:prefix_cache_hits``
 ``vllm:prefix_cache_queries``, deltas over the run); the score records held afterwards
 (``h2o_vllm:score_record_tokens``) in bytes (one fp32 per token, layer and KV head) and as a
 fraction of the KV pool's bytes. Writes ``prefix_serving.json``, ``prefix_serving.md`` (the
-README table) and ``prefix_serving.png`` into ``benchmarks/results/<date>-<host>/prefix-serving/``
+docs/results.md table) and ``prefix_serving.png`` into ``benchmarks/results/<date>-<host>/prefix-serving/``
 (``--out``), the bench JSONs in ``bench/``, the servers' and clients' logs in ``logs/``.
 
     python benchmarks/prefix_serving.py                  # SmolLM2-135M, 512 + 64 tokens, 4 prefixes
@@ -232,7 +232,7 @@ def fmt(value, spec: str = ".1f") -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """The README table, straight from the JSON (no number typed by hand)."""
+    """The docs/results.md table, straight from the JSON (no number typed by hand)."""
     lines = ["| side | req/s | output tok/s | TTFT mean / median / p99 (ms) | TPOT mean / median / p99 (ms) "
              "| prefix-cache hit rate (hits / queries, tokens) | score records: tokens, MiB, of KV pool |",
              "|---|---|---|---|---|---|---|"]

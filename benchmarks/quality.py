@@ -292,7 +292,7 @@ def print_table(result: dict) -> None:
 
 
 def markdown_table(result: dict) -> str:
-    """The README table of one run, straight from its JSON (no number typed by hand)."""
+    """The docs/results.md table of one run, straight from its JSON (no number typed by hand)."""
     texts = result["meta"]["texts"]
     lines = ["| policy | " + " | ".join(f"ppl {t}" for t in texts) + " | ROUGE-L vs full | token agreement | pass-key |",
              "|---|" + "---|" * (len(texts) + 3)]

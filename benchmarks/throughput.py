@@ -184,7 +184,7 @@ def medians(runs: list[dict]) -> list[dict]:
 
 
 def markdown_table(result: dict) -> str:
-    """The README table of one run, straight from its JSON (no number typed by hand). A hybrid
+    """The docs/results.md table of one run, straight from its JSON (no number typed by hand). A hybrid
     model's table adds the blocks held by its global (H2O's) and sliding-window layers. With
     ``--repeat``, medians over the rounds and the range of the paired ratios."""
     names = {"stock": "stock vLLM", "full": "full (tracking only)",

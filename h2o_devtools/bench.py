@@ -92,7 +92,7 @@ MODES: dict[str, dict[str, Any]] = {
     "floor32": {"min_tokens": 32},
     "floor64": {"min_tokens": 64},
     "floor128": {"min_tokens": 128},
-    # Probes of the window for the pass-key task (README, "Score modes past the paper").
+    # Probes of the window for the pass-key task (docs/results.md, "Score modes past the paper").
     "window8": {"obs_window": 8},
     "window16": {"obs_window": 16},
     "window16+decay": {"obs_window": 16, "decay": 0.95},

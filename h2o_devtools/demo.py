@@ -4,7 +4,7 @@
 checkout, not part of the installed ``h2o-vllm`` command).
 
 The prompts are a few hundred tokens long, so that 20% of one is a real cache (a 5-token
-prompt keeps 1 token). H2O runs the recommended score mode (``RECOMMENDED``, from the README's
+prompt keeps 1 token). H2O runs the recommended score mode (``RECOMMENDED``, from docs/results.md's
 quality table; ``--policy h2o`` for the paper's). Prints the greedy answers side by side and
 the KV blocks each run held, as the engine's own scheduler counted them. Runs the engine core
 in-process so its block pool can be read.

@@ -4,8 +4,8 @@ Called from the engine-args hook (``vllm_hooks.install_engine_args_hook``) only 
 ``check_engine_args`` on the raw ``EngineArgs`` before vLLM builds its config (the cheap
 checks, so a refusal costs nothing), ``check_vllm_config`` on the built ``VllmConfig`` (the
 model's attention, read from its HF config, and the resolved ``max_model_len`` / block size).
-Each refusal is a ``ValueError`` that names the setting and the way out; README.md ("Limits and guarantees") lists
-them with the reason for each.
+Each refusal is a ``ValueError`` that names the setting and the way out; docs/limits.md
+("Conflicts: refused before the model loads") lists them with the reason for each.
 
 Pure logic over vLLM config objects (duck-typed: unit tests pass stand-ins).
 """

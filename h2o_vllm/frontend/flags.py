@@ -3,7 +3,7 @@
 Runs in process 0 (API server, ``vllm bench``), at argument parsing. Pure: argparse and
 ``h2o_vllm.config`` only; ``vllm_hooks.install_cli_flags_hook`` attaches it to vLLM's parser.
 
-Rules (README, "Serving"):
+Rules (docs/serving.md, "Flags"):
 - ``--kv-eviction h2o`` turns H2O on; ``--h2o-*`` flags alone also turn it on (a budget flag
   states the intent unambiguously); ``--kv-eviction none`` with an ``--h2o-*`` flag or with an
   ``h2o`` entry in ``--additional-config`` is an error.

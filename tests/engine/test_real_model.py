@@ -122,7 +122,7 @@ def test_gemma3_prefix_hits_resume_both_groups_and_the_pool_drains(gemma3_prompt
     # resumes up to the window's first query (blocks before prompt_len - 32); the hybrid search
     # is redone at that cut, so the sliding-window groups resume there too. (They can only where
     # vLLM kept the 16 blocks before the cut: it keeps a prompt's last window, so a cut a block
-    # further back can lose the hit; README "Hybrid models".)
+    # further back can lose the hit; docs/limits.md, "Not done yet".)
     window = GEMMA3_RUNS["recommended"]["obs_window"]
     want = [(len(p) - window) // GEMMA3_BLOCK * GEMMA3_BLOCK for p in gemma3_prompts]
     assert hits["recommended"] == want

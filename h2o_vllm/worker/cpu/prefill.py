@@ -1,7 +1,7 @@
 """Causal attention of one row's queries and their H2O scores from one softmax, in torch.
 
 Runs in the worker process. The stock CPU kernel returns no probabilities, and recomputing
-them after it doubled a long prompt's time to first token (issue 24; README, "Prefill cost").
+them after it doubled a long prompt's time to first token (issue 24; docs/results.md, "Prefill cost").
 Here each query tile's probabilities serve both the attention output and the scores, so the
 prefill rows pay one attention, not two: the CPU path runs this instead of vLLM's kernel for
 them (``CPUOps.attend``), and, without ``out``, as the score pass alone (``CPUOps.accumulate``).

@@ -1,6 +1,6 @@
 """benchmarks/cuda_step_timing.py --tiny: every path the GPU run times (plain attention, the
 fused H2O step, vLLM's attention, the unfused step) runs, interpreted on the CPU, and the JSON
-has the fields the README's table reads. Its times mean nothing (interpreter, one call)."""
+has the fields the docs/results.md table reads. Its times mean nothing (interpreter, one call)."""
 import json
 import os
 import subprocess
