@@ -1,19 +1,27 @@
 """Every touch of vLLM internals, and the vLLM versions it was written against.
 
 Manifest (each hook: target, why, upstream stand-in, remove when); the hooks live in the
-module of the process they run in: engine_args, requests (process 0), scheduler (engine core),
-runner and cpu_attention (worker). A wrapper only reads vLLM's objects and applies what a named
-function outside this package decides (``worker.plan``, ``scheduler.events``, ``scheduler.spec``,
-``frontend.settings``, ``frontend.requests``, ``metrics``); ``seam`` holds the lookup, wrapping
-and version-guard helpers every hook module uses.
+module of the process they run in: ``engine_args`` and ``request_validation`` (process 0),
+``engine_core`` (the scheduler's process), ``runner`` (the step sequence both runners share),
+``runner_v1``, ``runner_v2`` and ``cpu_attention`` (worker). A wrapper only reads vLLM's objects
+and applies what a named function outside this package decides (``worker.runner_state``,
+``worker.plan``, ``scheduler.events``, ``scheduler.spec``, ``frontend.settings``,
+``frontend.requests``, ``metrics``); ``seam`` holds the lookup, wrapping and version-guard
+helpers every hook module uses. Two modules touch vLLM's private objects without wrapping
+anything: ``kv_manager`` (``H2OManager``'s call into vLLM's copy-on-write) and ``introspect``
+(read-only lookups the benchmarks, tools and tests make into a running engine: its scheduler,
+block pool, preemption count).
 
 - ``install_runner_hook`` wraps ``GPUModelRunner._build_attention_metadata``
   (vllm/v1/worker/gpu_model_runner.py; the CPU runner inherits it).
   Why: vLLM 0.32's V1 runner gives attention builders no request identity or prompt length,
   and a block-table row only grows. The hook reads the batch and passes it to
-  ``worker.plan.plan_batch`` (per row: the request's ``Budget``, KV-space lengths) for the
-  builders, and truncates the rows ``worker.plan.rows_to_truncate`` names, in step with
-  ``H2OManager`` freeing their tail blocks at the next schedule.
+  ``worker.plan.plan_batch`` (per row: the request's ``Budget``, KV-space lengths); the plan
+  reaches the builders through ``worker.core.building`` (``H2OBuilderMixin.plan``) and the
+  layers through the attention metadata; the hook truncates the rows
+  ``worker.plan.rows_to_truncate`` names, in step with ``H2OManager`` freeing their tail blocks
+  at the next schedule. Per-runner state (budgets, orders, rewrites) is one
+  ``worker.runner_state.RunnerState``, the attribute ``h2o_state`` on vLLM's runner.
   Upstream: patches/0001-attn-metadata-request-context.patch. Remove when every supported
   vLLM passes request context to builders.
 - ``install_runner_v2_hook`` (module ``runner_v2``) does the same on Model Runner V2
