@@ -144,6 +144,19 @@ def prefill_step_limit(num_computed: int, prompt_len: int, chunk: int | None) ->
     return chunk_end(num_computed, prompt_len, chunk) - num_computed
 
 
+def draft_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
+    """The most tokens a speculative verification step starting at ``num_computed`` may
+    process (docs/semantics.md, "Speculative decoding"): it must end before the token whose
+    check compacts, and that token runs alone. A compaction is irrevocable and comes at the
+    end of a step, while which drafts are accepted is known only after it: a step that held
+    the compacting token and drafts after it would show them the uncompacted cache, and one
+    that ended on it would compact even when a draft before it was rejected. So one step per
+    interval runs without drafts, and ``interval`` 1 (the paper's per-step eviction) leaves
+    none. Past the prompt only (drafts exist only there)."""
+    kv_len = kv_len_after(num_computed, prompt_len, budget)
+    return max(1, budget.tokens + budget.interval - 1 - kv_len)
+
+
 def kv_len_after(tokens_processed: int, prompt_len: int, budget: Budget) -> int:
     """Live KV length of a sequence after ``tokens_processed`` tokens."""
     return live_kv_len(tokens_processed, prompt_len, budget.tokens, budget.interval,

@@ -20,13 +20,7 @@ _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config[
 
 def check_engine_args(args: Any, h2o: H2OConfig) -> None:
     """Refuse settings visible on ``EngineArgs`` (``vllm serve`` flags, ``LLM(...)`` kwargs)."""
-    spec = {"speculative_config": getattr(args, "speculative_config", None),
-            "spec_method": getattr(args, "spec_method", None),
-            "spec_model": getattr(args, "spec_model", None),
-            "spec_tokens": getattr(args, "spec_tokens", None)}
-    given = [k for k, v in spec.items() if v is not None]
-    if given:
-        _refuse_speculative(given[0])
+    _check_speculative_args(args)
     if getattr(args, "kv_transfer_config", None) is not None:
         _refuse_kv_transfer()
     pp = getattr(args, "pipeline_parallel_size", 1) or 1
@@ -37,8 +31,10 @@ def check_engine_args(args: Any, h2o: H2OConfig) -> None:
 def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     """Refuse what only the built config shows: the model's attention, the resolved lengths,
     and settings vLLM derived itself (a speculator checkpoint sets ``speculative_config``)."""
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        _refuse_speculative("speculative_config")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        check_speculative(getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None),
+                          "--speculative-config")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         _refuse_kv_transfer()
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -130,12 +126,36 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
         f"...), raise --max-model-len, {_OFF}")
 
 
-def _refuse_speculative(setting: str) -> None:
-    flag = "--" + setting.replace("_", "-")
-    raise ValueError(
-        f"speculative decoding ({flag}) cannot be combined with H2O KV eviction: rejected draft "
-        "tokens would enter H2O's scores and the compaction count the scheduler and workers "
-        f"share. Drop {flag}, {_OFF}")
+#: Speculators H2O runs with: n-gram drafts come from the token history and have no KV cache
+#: of their own (docs/semantics.md, "Speculative decoding").
+SPECULATORS = ("ngram",)
+def _check_speculative_args(args: Any) -> None:
+    """``--speculative-config`` and its shorthands, as given (vLLM resolves them later)."""
+    config = getattr(args, "speculative_config", None)
+    if getattr(args, "spec_model", None) is not None:
+        check_speculative("draft_model", None, "--spec-model")
+    if getattr(args, "spec_method", None) is not None:
+        check_speculative(args.spec_method, getattr(args, "spec_tokens", None), "--spec-method")
+    if isinstance(config, dict) and config:
+        # vLLM infers a draft model (or EAGLE, MTP) from "model" when "method" is absent.
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        check_speculative(method, config.get("num_speculative_tokens"), "--speculative-config")
+
+
+def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> None:
+    """Refuse a speculator H2O cannot run exactly with, naming the way out."""
+    if method not in SPECULATORS:
+        raise ValueError(
+            f"speculative decoding with method {method!r} ({flag}) cannot be combined with H2O KV "
+            "eviction yet: its drafter runs layers of its own whose KV cache would share the "
+            "target's blocks, which H2O compacts. n-gram drafts need no KV cache: use "
+            '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, '
+            f'"prompt_lookup_max": 4}}\', or drop {flag}, {_OFF}')
+    from h2o_vllm.worker.cpu.deferred import MAX_PENDING  # a row's waiting queries, the known token's too
+    if num_tokens is not None and num_tokens + 1 > MAX_PENDING:
+        raise ValueError(
+            f"num_speculative_tokens={num_tokens} ({flag}) is more than H2O keeps for one "
+            f"verification step ({MAX_PENDING - 1} drafts). Lower num_speculative_tokens, {_OFF}")
 
 
 def _refuse_kv_transfer() -> None:

@@ -75,8 +75,15 @@ def _choose_backend(args: Any, where: str) -> None:
 
 
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
-    """After vLLM built its config: graphs and cache dtype."""
-    if not (_platform_is_cuda() if is_cuda is None else is_cuda):
+    """After vLLM built its config: speculation, graphs and cache dtype."""
+    is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
+    if (is_cuda or triton_on_cpu_enabled()) and getattr(vllm_config, "speculative_config", None) is not None:
+        raise ValueError(
+            "speculative decoding (--speculative-config) cannot be combined with H2O KV eviction on "
+            "the CUDA path yet: its fused attention kernel scores a verification step's queries at "
+            "once, before the rejected drafts are known (H2O's CPU backend keeps them until the "
+            f"next step). Drop --speculative-config, {_OFF}")
+    if not is_cuda:
         return
     compilation = vllm_config.compilation_config
     mode = compilation.cudagraph_mode

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from h2o_vllm import metrics
-from h2o_vllm.policy import prefill_step_limit
+from h2o_vllm.policy import draft_step_limit, prefill_step_limit
 from h2o_vllm.scheduler.manager import H2OManager
 
 
@@ -29,16 +29,22 @@ def finish_request(managers: Sequence[H2OManager], request_id: str) -> None:
         manager.prompt_lens.pop(request_id, None)
 
 
-def limit_prefill_step(managers: Sequence[H2OManager], request, num_computed_tokens: int,
-                       num_new_tokens: int) -> int:
+def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int,
+               num_new_tokens: int) -> int:
     """The tokens vLLM may schedule for ``request`` this step: never past the end of its next
     prefill chunk (``prefill_chunk``), whatever else is in the batch, so the cadence checks the
-    same token counts in every batch and after a preemption."""
+    same token counts in every batch and after a preemption; and a speculative step's drafts
+    cut where they would reach the request's next compaction (``policy.draft_step_limit``:
+    docs/semantics.md, "Speculative decoding"). The tokens already known are never cut."""
+    known = request.num_tokens + request.num_output_placeholders - num_computed_tokens
     for manager in managers:
         budget = manager.budgets.resolve(request.request_id, request.num_prompt_tokens)
         limit = prefill_step_limit(num_computed_tokens, request.num_prompt_tokens, budget.prefill_chunk)
         if limit is not None:
             num_new_tokens = min(num_new_tokens, limit)
+        if num_new_tokens > known:
+            limit = draft_step_limit(num_computed_tokens, request.num_prompt_tokens, budget)
+            num_new_tokens = min(num_new_tokens, max(known, limit))
     return num_new_tokens
 
 

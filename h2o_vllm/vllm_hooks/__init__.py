@@ -56,7 +56,8 @@ block pool, preemption count).
   adjustment vLLM makes to a request's tokens for a step (running and waiting requests both
   pass through it, after the token budget and ``long_prefill_token_threshold``): with
   ``prefill_chunk`` the step is cut at the request's next prefill-chunk end
-  (``scheduler.events.limit_prefill_step``). Why: vLLM has no per-request chunk alignment
+  (``scheduler.events.limit_step``); so are a speculative step's drafts, before the
+  request's next compaction. Why: vLLM has no per-request chunk alignment
   (``long_prefill_token_threshold`` is engine-wide and not aligned to positions); the
   cadence checks chunk ends, which must not depend on the batch. Upstream: a per-request
   prefill chunk limit in the scheduler. Remove when vLLM has one.

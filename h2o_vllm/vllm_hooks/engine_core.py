@@ -52,12 +52,13 @@ def _free_blocks_wrapper(original):
 def _reserve_prefill_lookahead_wrapper(original):
     """vLLM's last word on a request's tokens this step, for running and waiting requests
     alike (after the token budget, ``long_prefill_token_threshold`` and max_model_len): H2O
-    then stops a prefill step at its request's next prefill-chunk end."""
+    then stops a prefill step at its request's next prefill-chunk end, and a speculative
+    step's drafts before its next compaction."""
     def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
         num_new_tokens = original(self, request, num_computed_tokens, num_new_tokens)
         if _h2o_of(self) is None or num_new_tokens == 0:
             return num_new_tokens
-        return events.limit_prefill_step(_h2o_managers(self.kv_cache_manager), request,
+        return events.limit_step(_h2o_managers(self.kv_cache_manager), request,
                                        num_computed_tokens, num_new_tokens)
     return _reserve_prefill_lookahead
 

@@ -5,7 +5,8 @@ batch is read (``BatchRows``) and how a block-table row is cut or rewritten; the
 step is written here once:
 
 1. ``begin_step`` (the runner's request update, before vLLM's): last step's fresh-block rows
-   are rewritten; the step's prefix-cache orders and void requests go to the ``RunnerState``.
+   are rewritten; the step's prefix-cache orders, void requests and speculative drafts go to
+   the ``RunnerState``.
 2. ``RunnerState.plan``: the batch's ``StepPlan``.
 3. The plan reaches the metadata builders for the one build of this batch
    (``worker.core.building``); they turn it into the ``H2OStep`` every layer reads from its
@@ -70,7 +71,9 @@ def begin_step(state, scheduler_output,
     """Step 1: give rows that compacted into fresh blocks last step those blocks
     (``rewrite_row(request, group id, blocks)``), then keep this step's scheduler inputs."""
     from h2o_vllm.prefix_orders import ATTRIBUTE
-    due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output))
+    drafts = {r: len(t) for r, t in (scheduler_output.scheduled_spec_decode_tokens or {}).items() if t}
+    due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output),
+                           drafts)
     for req_id, (group_id, fresh) in due.items():
         rewrite_row(req_id, group_id, fresh)
 

@@ -50,6 +50,11 @@ class StepPlan:
     # (worker.cpu.deferred). Empty when the plan is built without them (unit tests).
     req_ids: tuple[str, ...] = ()
     void_ids: frozenset[str] = frozenset()
+    # Speculative decoding: each row's draft tokens in this step (None: no row has any). A
+    # row with drafts scores nothing in its step (its query weights 0, its score_scale 1):
+    # which of its queries exist is known only at the row's next step, and the device keeps
+    # them until then (docs/semantics.md, "Speculative decoding").
+    draft_lens: torch.Tensor | None = None
 
     @property
     def weighted(self) -> bool:
@@ -71,8 +76,9 @@ class StepPlan:
 
 
 def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
-                   budgets: Sequence[Budget]) -> StepPlan:
-    """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens)."""
+                   budgets: Sequence[Budget], draft_lens: torch.Tensor | None = None) -> StepPlan:
+    """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens);
+    draft_lens: each row's speculative draft tokens among its query_lens (None: none)."""
     table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sink_tokens, b.pool, b.prefill_chunk or 0)
                           for b in budgets], dtype=torch.int64).view(-1, 6)
     heavy, budget_tokens, interval, sink_tokens, pool, chunk = table.unbind(1)
@@ -88,9 +94,34 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     weights = scale = None
     if any(b.decay != 1.0 or b.obs_window is not None for b in budgets):
         weights, scale = _query_weights(num_computed, query_lens, prompt_lens, chunk, budgets, starts)
+    due = after < seq_lens
+    if draft_lens is not None and bool((draft_lens > 0).any()):
+        weights, scale = _unverified(draft_lens, due, query_lens, starts, weights, scale)
+    else:
+        draft_lens = None
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
-                    kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, pool=pool, due=after < seq_lens,
-                    query_starts=starts, decay=decay, query_weights=weights, score_scale=scale)
+                    kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, pool=pool, due=due,
+                    query_starts=starts, decay=decay, query_weights=weights, score_scale=scale,
+                    draft_lens=draft_lens)
+
+
+def _unverified(draft_lens: torch.Tensor, due: torch.Tensor, query_lens: torch.Tensor,
+                starts: torch.Tensor, weights: torch.Tensor | None, scale: torch.Tensor | None):
+    """(query_weights, score_scale) with the rows that carry drafts scoring nothing this step."""
+    speculative = draft_lens > 0
+    if bool((speculative & due).any()):
+        # The scheduler cuts drafts before a compaction (policy.draft_step_limit); a plan that
+        # disagrees would compact on tokens that may be rejected.
+        raise RuntimeError("h2o: a speculative step reaches a compaction; the scheduler's draft "
+                           f"limit and the worker's plan disagree (draft_lens={draft_lens.tolist()}, "
+                           f"due={due.tolist()})")
+    if weights is None:
+        weights = torch.ones(int(query_lens.sum()), dtype=torch.float32)
+        scale = torch.ones(query_lens.shape[0], dtype=torch.float32)
+    rows = torch.repeat_interleave(torch.arange(query_lens.shape[0]), query_lens)
+    weights = torch.where(speculative[rows], 0.0, weights)
+    scale = torch.where(speculative, 1.0, scale)
+    return weights, scale
 
 
 def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
@@ -119,16 +150,16 @@ def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: to
                prompt_lens: torch.Tensor, query_lens: torch.Tensor,
                extra_args_of: Callable[[str], Mapping[str, Any] | None],
                live_request_ids: Iterable[str], orders: Any = None,
-               void_ids: Iterable[str] = ()) -> StepPlan:
+               void_ids: Iterable[str] = (), draft_lens: torch.Tensor | None = None) -> StepPlan:
     """The plan of a batch whose row i is request ``req_ids[i]``; each request's budget is
     resolved the first time it is seen (``extra_args_of`` gives its overrides). ``orders``:
-    the step's ``PrefixOrders`` from the scheduler (prefix caching), or None. ``void_ids``:
-    ``StepPlan.void_ids``."""
+    the step's ``PrefixOrders`` from the scheduler (prefix caching), or None. ``void_ids``,
+    ``draft_lens``: ``StepPlan``'s."""
     rows = [budgets.resolve(r, int(prompt_lens[i]), extra_args_of(r)) for i, r in enumerate(req_ids)]
     live = list(live_request_ids)
     if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
         budgets.retain(live)
-    plan = make_step_plan(num_computed, query_lens, prompt_lens, rows)
+    plan = make_step_plan(num_computed, query_lens, prompt_lens, rows, draft_lens)
     return dataclasses.replace(plan, prefix=prefix_plan(orders, req_ids), req_ids=tuple(req_ids),
                                void_ids=frozenset(void_ids))
 

@@ -43,19 +43,24 @@ class RunnerState:
     #: become them at the next (not earlier: on the CPU the block table is the tensor this
     #: step's kernels still read).
     rewrites: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    #: request -> its speculative draft tokens this step (the scheduler's; empty without any).
+    drafts: Mapping[str, int] = field(default_factory=dict)
 
-    def begin_step(self, orders: PrefixOrders | None,
-                   void_ids: Iterable[str]) -> dict[str, tuple[int, list[int]]]:
+    def begin_step(self, orders: PrefixOrders | None, void_ids: Iterable[str],
+                   drafts: Mapping[str, int] | None = None) -> dict[str, tuple[int, list[int]]]:
         """Take this step's scheduler inputs; returns the rewrites due before vLLM appends the
         step's new blocks (last step's, once)."""
         due, self.rewrites = self.rewrites, {}
-        self.orders, self.void_ids = orders, frozenset(void_ids)
+        self.orders, self.void_ids, self.drafts = orders, frozenset(void_ids), drafts or {}
         return due
 
     def plan(self, rows: BatchRows) -> StepPlan:
+        draft_lens = None
+        if self.drafts:
+            draft_lens = torch.tensor([self.drafts.get(r, 0) for r in rows.req_ids], dtype=torch.int64)
         return plan_batch(self.budgets, rows.req_ids, rows.num_computed, rows.prompt_lens,
                           rows.query_lens, rows.extra_args_of, rows.live_request_ids,
-                          orders=self.orders, void_ids=self.void_ids)
+                          orders=self.orders, void_ids=self.void_ids, draft_lens=draft_lens)
 
     def compacted_rows(self, plan: StepPlan) -> Iterator[tuple[int, int, int, list[int] | None]]:
         """(group id, row, blocks kept, fresh blocks or None) of each row ``plan`` compacts, in

@@ -26,8 +26,8 @@ def _refused(model_dir, **kwargs) -> str:
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                             "prompt_lookup_max": 3}}, "--speculative-config"),
+    ({"speculative_config": {"method": "eagle3", "model": "unused", "num_speculative_tokens": 2}},
+     "--speculative-config"),
     ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
      "--kv-transfer-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),

@@ -371,3 +371,34 @@ def test_observation_window_per_chunk(chunk, weights):
     from h2o_vllm.config import Budget
     budget = Budget(heavy=2, recent=2, interval=1, obs_window=3, prefill_chunk=chunk)
     assert [policy.query_weight(budget, p, 10) for p in range(12)] == weights
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_len=st.integers(1, 120), heavy=st.integers(1, 12), recent=st.integers(1, 12),
+       interval=st.integers(1, 20), chunk=st.sampled_from([None, 7, 32]), drafts=st.integers(1, 6),
+       data=st.data())
+def test_draft_steps_never_hold_a_compaction(prompt_len, heavy, recent, interval, chunk, drafts, data):
+    """Whatever the speculator proposes and the target accepts, a step with drafts never
+    reaches a compaction (it grows the cache by exactly its tokens), and every compaction
+    still comes where plain decoding has it: in a step of one token."""
+    budget = H2OConfig(heavy_tokens=heavy, recent_tokens=recent, interval=interval,
+                       prefill_chunk=chunk).budget(prompt_len, 16)
+    n, end = prompt_len, prompt_len + 60
+    compactions = []
+    while n < end:
+        q = min(1 + drafts, policy.draft_step_limit(n, prompt_len, budget))
+        before, after = kv_len_after(n, prompt_len, budget), kv_len_after(n + q, prompt_len, budget)
+        if q > 1:
+            assert after == before + q
+        accepted = data.draw(st.integers(0, q - 1))  # of the q - 1 drafts
+        if after < before + q:
+            compactions.append(n + q)
+        n += 1 + accepted
+    plain = [m for m in range(prompt_len + 1, end + 1)
+             if kv_len_after(m, prompt_len, budget) < kv_len_after(m - 1, prompt_len, budget) + 1]
+    assert compactions == [m for m in plain if m <= n]
+    if interval == 1:  # the paper's per-step eviction: once compacting, no step has room for a draft
+        first = policy.first_compaction(prompt_len, budget.tokens, 1, chunk)
+        assert all(policy.draft_step_limit(m, prompt_len, budget) == 1 for m in range(max(first, prompt_len), end))

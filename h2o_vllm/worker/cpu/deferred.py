@@ -11,6 +11,11 @@ step. The scores are the same sums: each query still sees exactly the keys it sa
 length; a row's KV positions only move when it compacts, after a flush), and a weighted row's
 per-step decay is folded into the waiting queries' weights.
 
+Speculative decoding (docs/semantics.md, "Speculative decoding"): every query of a
+verification step waits, each as a decode query of its own; at the row's next step those past
+its new KV length (rejected drafts) are dropped, the rest wait on. A verification step never
+compacts, so no flush ever scores a query before its fate is known.
+
 ``PendingBook`` (one per KV-cache group, in the metadata builder) decides per step, once for
 every layer, where each query waits and which rows flush; each layer's ``PendingQueries``
 holds its queries and applies the decision.
@@ -35,6 +40,13 @@ class _Waiting:
     kv_lens: list[int] = field(default_factory=list)   # keys each waiting query saw
     weights: list[float] = field(default_factory=list)  # its query weight (1: paper H2O)
     scales: list[float] = field(default_factory=list)   # its step's score_scale (1: paper H2O)
+    replacement: _Waiting | None = None  # see PendingBook._flushed_copy
+
+    def drop_rejected(self, kv_len: int) -> None:
+        """Keep the queries whose token is still in the cache, which holds ``kv_len`` tokens:
+        a rejected draft's query saw more (it saw itself)."""
+        keep = sum(1 for n in self.kv_lens if n <= kv_len)  # the kept ones come first
+        del self.kv_lens[keep:], self.weights[keep:], self.scales[keep:]
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,9 @@ class DeferredDecode:
     store_slots: torch.Tensor | None   # int64 [S]
     store_pos: torch.Tensor | None     # int64 [S]
     flush: Flush | None
+    # Rows whose waiting queries are scored before this step's are stored (a verification
+    # step's row that needs the room).
+    before: Flush | None
     # A prefix-caching step: waiting queries are scored first, and this step's decode
     # queries the usual way (their scores feed the records this step snapshots).
     immediate: bool
@@ -89,11 +104,28 @@ class PendingBook:
         kv_lens, starts = plan.kv_seq_lens.tolist(), plan.query_starts.tolist()
         weights = None if plan.query_weights is None else plan.query_weights.tolist()
         scales = None if plan.score_scale is None else plan.score_scale.tolist()
+        drafts = [0] * len(q_lens) if plan.draft_lens is None else plan.draft_lens.tolist()
+        kv_before = plan.kv_lens_before.tolist()
+        decay = [1.0] * len(q_lens) if plan.decay is None else plan.decay.tolist()
         stored: list[tuple[int, int, int]] = []
         flushing: list[tuple[int, _Waiting]] = []
+        before: list[tuple[int, _Waiting]] = []
         for row, req_id in enumerate(plan.req_ids):
             waiting = self._waiting.get(req_id)
-            if q_lens[row] == 1 and not immediate:
+            if waiting is not None:
+                waiting.drop_rejected(kv_before[row])
+            if drafts[row]:
+                if waiting is None:
+                    waiting = self._waiting[req_id] = _Waiting(self._take_slot())
+                if len(waiting.kv_lens) + q_lens[row] > MAX_PENDING:
+                    before.append((row, waiting))
+                    waiting = self._flushed_copy(waiting)
+                for j in range(q_lens[row]):  # each its own decode step: weight 1, decay once
+                    stored.append((starts[row] + j, waiting.slot, len(waiting.kv_lens)))
+                    waiting.kv_lens.append(kv_before[row] + j + 1)
+                    waiting.weights.append(1.0)
+                    waiting.scales.append(decay[row])
+            elif q_lens[row] == 1 and not immediate:
                 if waiting is None:
                     waiting = self._waiting[req_id] = _Waiting(self._take_slot())
                 stored.append((starts[row], waiting.slot, len(waiting.kv_lens)))
@@ -104,11 +136,21 @@ class PendingBook:
                     flushing.append((row, waiting))
             elif q_lens[row] > 0 and waiting is not None and waiting.kv_lens:
                 flushing.append((row, waiting))  # before this step's own scores of the row
+        first = self._flush(step, before) if before else None
+        for row, waiting in before:  # the entries _flushed_copy kept aside are the row's now
+            self._waiting[plan.req_ids[row]] = waiting.replacement
         flush = self._flush(step, flushing) if flushing else None
         to_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         tokens, slots, pos = (map(to_tensor, zip(*stored))) if stored else (None, None, None)
         return DeferredDecode(capacity=self._capacity, store_tokens=tokens, store_slots=slots,
-                              store_pos=pos, flush=flush, immediate=immediate)
+                              store_pos=pos, flush=flush, before=first, immediate=immediate)
+
+    @staticmethod
+    def _flushed_copy(waiting: _Waiting) -> _Waiting:
+        """An empty list on ``waiting``'s slot for the entries stored after its flush; ``waiting``
+        keeps the entries to flush until ``_flush`` has read them."""
+        waiting.replacement = _Waiting(waiting.slot)
+        return waiting.replacement
 
     def _flush(self, step: H2OStep, flushing: list[tuple[int, _Waiting]]) -> Flush:
         num_queries = max(len(w.kv_lens) for _, w in flushing)
@@ -158,14 +200,18 @@ class PendingQueries:
               scores: torch.Tensor, scale: float, softcap: float = 0.0,
               sink_logits: torch.Tensor | None = None) -> None:
         """Keep this step's waiting queries, then score the flushing rows' (query: the batch's)."""
+        if decision.before is not None:  # read before this step's queries overwrite them
+            self._score(decision.before, key_blocks, scores, scale, softcap, sink_logits)
         if decision.store_tokens is not None:
             buffer = self._buffer(decision.capacity, query)
             buffer[decision.store_slots, decision.store_pos] = query[decision.store_tokens]
-        flush = decision.flush
-        if flush is not None:
-            waiting = self.buffer[flush.slots, :flush.num_queries]
-            accumulate_row_queries(waiting, key_blocks, scores, flush.index, scale, flush.weights,
-                                   flush.factor, softcap, sink_logits)
+        if decision.flush is not None:
+            self._score(decision.flush, key_blocks, scores, scale, softcap, sink_logits)
+
+    def _score(self, flush: Flush, key_blocks, scores, scale, softcap, sink_logits) -> None:
+        waiting = self.buffer[flush.slots, :flush.num_queries]
+        accumulate_row_queries(waiting, key_blocks, scores, flush.index, scale, flush.weights,
+                               flush.factor, softcap, sink_logits)
 
     def _buffer(self, capacity: int, query: torch.Tensor) -> torch.Tensor:
         if self.buffer is None or self.buffer.shape[0] < capacity:

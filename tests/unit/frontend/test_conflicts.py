@@ -55,15 +55,29 @@ def test_plain_engine_args_pass():
     conflicts.check_engine_args(_args(tensor_parallel_size=2), H2O)
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative-config"),
-    ({"spec_method": "ngram"}, "--spec-method"),
-    ({"spec_tokens": 3}, "--spec-tokens"),
+@pytest.mark.parametrize("kwargs", [
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}},
+    {"spec_method": "ngram", "spec_tokens": 3},
 ])
-def test_speculative_decoding_refused_naming_the_flag(kwargs, flag):
+def test_ngram_speculation_passes(kwargs):
+    conflicts.check_engine_args(_args(**kwargs), H2O)
+
+
+@pytest.mark.parametrize("kwargs, flag, words", [
+    ({"speculative_config": {"method": "eagle3", "model": "m", "num_speculative_tokens": 2}},
+     "--speculative-config", "'eagle3'"),
+    ({"speculative_config": {"model": "draft", "num_speculative_tokens": 2}}, "--speculative-config",
+     "'draft_model'"),
+    ({"spec_method": "mtp"}, "--spec-method", "'mtp'"),
+    ({"spec_model": "draft"}, "--spec-model", "'draft_model'"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 16}}, "--speculative-config",
+     "num_speculative_tokens=16"),
+])
+def test_speculators_h2o_cannot_run_exactly_are_refused_naming_the_way_out(kwargs, flag, words):
     message = _refusal(conflicts.check_engine_args, _args(**kwargs), H2O)
-    assert "speculative decoding" in message and flag in message
-    assert f"Drop {flag}" in message and "turn H2O KV eviction off" in message
+    assert flag in message and words in message and "turn H2O KV eviction off" in message
+    if "num_speculative_tokens" not in words:
+        assert '"method": "ngram"' in message and f"drop {flag}" in message
 
 
 def test_kv_transfer_connector_refused():
@@ -85,13 +99,19 @@ def test_plain_config_passes():
     conflicts.check_vllm_config(_vllm_config(), H2O)
 
 
+def test_ngram_speculation_config_passes():
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+    conflicts.check_vllm_config(_vllm_config(speculative_config=spec), H2O)
+
+
 def test_async_scheduling_passes():
     """H2O's scheduler cuts each step's compaction when it schedules the step."""
     conflicts.check_vllm_config(_vllm_config(scheduler_config=SimpleNamespace(async_scheduling=True)), H2O)
 
 
 @pytest.mark.parametrize("overrides, setting", [
-    ({"speculative_config": object()}, "--speculative-config"),
+    ({"speculative_config": SimpleNamespace(method="eagle3", num_speculative_tokens=2)},
+     "--speculative-config"),
     ({"kv_transfer_config": object()}, "--kv-transfer-config"),
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "--pipeline-parallel-size"),
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=1, enable_dbo=True)}, "--enable-dbo"),
@@ -228,10 +248,10 @@ def test_engine_args_hook_refuses_before_the_config_is_built():
     from h2o_vllm.vllm_hooks.engine_args import _create_engine_config_wrapper
     called = []
     wrapped = _create_engine_config_wrapper(lambda self, *a, **k: called.append(self))
-    args = _args(additional_config={"h2o": {}}, spec_method="ngram")
+    args = _args(additional_config={"h2o": {}}, spec_method="eagle3")
     with pytest.raises(ValueError, match="--spec-method"):
         wrapped(args)
     assert not called
     # H2O off: nothing is checked.
-    wrapped(_args(spec_method="ngram"))
+    wrapped(_args(spec_method="eagle3"))
     assert called

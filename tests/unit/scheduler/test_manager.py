@@ -211,7 +211,7 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
     assert m.get_num_blocks_to_allocate("r", 400, [], 0, 0, 400) == 25  # what it asks uncapped
     during, computed = [], 0
     while computed < 400:
-        num_new = step.limit_prefill_step([m], request, computed, 40)  # vLLM offers 40 tokens
+        num_new = step.limit_step([m], request, computed, 40)  # vLLM offers 40 tokens
         assert num_new == min(32 - computed % 32, 400 - computed)     # never past a chunk's end
         _grow(m, "r", computed + num_new)
         during.append(len(m.req_to_blocks["r"]))                      # while the step runs
@@ -219,7 +219,7 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
         m.cut_scheduled("r", computed, 400)
         assert len(m.req_to_blocks["r"]) == cdiv(kv_len_after(computed, 400, CHUNKED.budget(400, BLOCK)), BLOCK)
     assert max(during) == 3 and m.num_freed_blocks >= 2 * (400 // 32 - 1)
-    assert step.limit_prefill_step([m], request, 400, 1) == 1  # decoding: no limit
+    assert step.limit_step([m], request, 400, 1) == 1  # decoding: no limit
     m.free("r")
     assert m.block_pool.get_num_free_blocks() == m.block_pool.num_gpu_blocks - 1
 

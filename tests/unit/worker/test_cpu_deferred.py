@@ -131,7 +131,7 @@ def test_a_prefix_caching_step_scores_at_once():
     step = worker_step.make_step(plan, torch.arange(1, 3, dtype=torch.int32)[None], torch.tensor([20]), BLOCK)
     book = deferred.PendingBook(BLOCK)
     assert book.decide(step).store_tokens is not None
-    later = dataclasses.replace(plan, kv_seq_lens=plan.kv_seq_lens + 1)
+    later = dataclasses.replace(plan, kv_lens_before=plan.kv_lens_before + 1, kv_seq_lens=plan.kv_seq_lens + 1)
     with_prefix = dataclasses.replace(step, plan=later, prefix=object())
     decision = book.decide(with_prefix)
     assert decision.immediate and decision.store_tokens is None
@@ -174,3 +174,87 @@ def test_a_step_whose_decode_queries_all_wait_builds_no_immediate_index(monkeypa
     # only the immediate world's steps with decode rows, once each (every layer would reuse it)
     steps_with_decode_rows = sum(1 for scheduled, _ in SCHEDULE if 1 in scheduled.values())
     assert len(built) == steps_with_decode_rows
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+def _token(req: int, pos: int, accepted: bool = True, salt: int = 0):
+    """Query, key and value of request ``req``'s token at logical ``pos``: a function of the
+    token alone, so an accepted draft is the token plain decoding writes there; a rejected
+    one is something else."""
+    gen = torch.Generator().manual_seed(req * 100_003 + pos * 7 + (0 if accepted else 1_000_000 + salt))
+    return (torch.randn(NUM_KV_HEADS * GROUP, HEAD, generator=gen),
+            *torch.randn(2, NUM_KV_HEADS, HEAD, generator=gen))
+
+
+def _batch_step(world, plan, rows, tokens):
+    query = torch.stack([t[0] for t in tokens])
+    new_k, new_v = torch.stack([t[1] for t in tokens]), torch.stack([t[2] for t in tokens])
+    return world.step(plan, rows, query, new_k, new_v)
+
+
+def _plan(computed, rows, q, prompt_lens, budget, drafts=None):
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    plan = make_step_plan(t([computed[i] for i in rows]), t([q[i] for i in rows]),
+                          t([prompt_lens[i] for i in rows]), [budget] * len(rows),
+                          None if drafts is None else t([drafts[i] for i in rows]))
+    return dataclasses.replace(plan, req_ids=tuple(f"r{i}" for i in rows))
+
+
+@pytest.mark.parametrize("budget", [
+    Budget(heavy=4, recent=4, interval=6), Budget(heavy=3, recent=5, interval=7, decay=0.9),
+    Budget(heavy=3, recent=5, interval=5, sink_tokens=1, decay=0.9, obs_window=4),
+    Budget(heavy=4, recent=4, interval=40, decay=0.9)],
+    ids=["paper", "decay", "weighted", "rare-compactions"])
+def test_verification_steps_leave_the_scores_of_plain_decoding(budget):
+    """Requests decode with drafts (cut by ``policy.draft_step_limit``, accepted at random);
+    a twin decodes the accepted tokens one a step. Whenever a row has nothing waiting, its live
+    keys, values and scores are the twin's: rejected drafts left no score and no slot."""
+    from h2o_vllm.policy import draft_step_limit
+    prompt_lens, rng = [20, 9], torch.Generator().manual_seed(5)
+    spec, plain = World(2, defer=True), World(2, defer=True)
+    rows = [0, 1]
+    _batch_step(spec, _plan([0, 0], rows, prompt_lens, prompt_lens, budget), rows,
+                [_token(i, p) for i in rows for p in range(prompt_lens[i])])
+    _batch_step(plain, _plan([0, 0], rows, prompt_lens, prompt_lens, budget), rows,
+                [_token(i, p) for i in rows for p in range(prompt_lens[i])])
+    computed, plain_at, drafted, compared, made_room = list(prompt_lens), list(prompt_lens), 0, 0, 0
+    for step in range(40):
+        q = {i: min(4, draft_step_limit(computed[i], prompt_lens[i], budget)) for i in rows}
+        drafts = {i: q[i] - 1 for i in rows}
+        accepted = {i: int(torch.randint(0, q[i], (1,), generator=rng)) for i in rows}
+        tokens = [_token(i, computed[i] + j, accepted=j <= accepted[i], salt=step)
+                  for i in rows for j in range(q[i])]
+        plan = _plan(computed, rows, q, prompt_lens, budget, drafts)
+        assert plan.draft_lens is None or not bool((plan.due & (plan.draft_lens > 0)).any())
+        made_room += _batch_step(spec, plan, rows, tokens).before is not None
+        drafted += sum(drafts.values())
+        for i in rows:
+            computed[i] += 1 + accepted[i]
+        while plain_at != computed:  # the twin catches up one token a step
+            behind = [i for i in rows if plain_at[i] < computed[i]]
+            _batch_step(plain, _plan(plain_at, behind, {i: 1 for i in behind}, prompt_lens, budget),
+                        behind, [_token(i, plain_at[i]) for i in behind])
+            for i in behind:
+                plain_at[i] += 1
+        # The spec world learns of its rejections at its next step: check where none wait.
+        for i in rows:
+            waiting = spec.book._waiting.get(f"r{i}")
+            plain_waiting = plain.book._waiting.get(f"r{i}")
+            if (waiting and waiting.kv_lens) or (plain_waiting and plain_waiting.kv_lens):
+                continue
+            from h2o_vllm.policy import kv_len_after
+            kv_len = kv_len_after(computed[i], prompt_lens[i], budget)
+            blocks = spec.table[i].long()
+            pos = torch.arange(kv_len)
+            for name in ("keys", "values"):
+                a = getattr(spec.views, name)[blocks[pos // BLOCK], pos % BLOCK]
+                b = getattr(plain.views, name)[blocks[pos // BLOCK], pos % BLOCK]
+                assert torch.equal(a, b), f"row {i} step {step}: {name}"
+            torch.testing.assert_close(spec.scores[blocks[pos // BLOCK], :, pos % BLOCK],
+                                       plain.scores[blocks[pos // BLOCK], :, pos % BLOCK],
+                                       rtol=1e-5, atol=1e-6)
+            compared += 1
+    assert drafted > 20 and compared >= 3
+    if budget.interval > deferred.MAX_PENDING:  # waiting queries made room for a step's drafts
+        assert made_room
