@@ -144,7 +144,7 @@ def h2o_group(scheduler):
     return group, manager
 
 
-def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
+def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int = 0) -> list[int]:
     """After a step: every running request holds cdiv(live KV length, block) blocks in the
     scheduler, the same list as the worker's (``worker_block_ids``). Returns the
     tokens each running request has evicted so far (a check that saw no eviction proves
@@ -152,7 +152,9 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
     compaction leaves (``cut_scheduled``). Under async scheduling that step is still in flight
     for the scheduler (its tokens counted, its output not processed), but the in-process
     worker has run it: the lists still agree. A hybrid model's H2O group is checked (its
-    sliding-window groups are vLLM's)."""
+    sliding-window groups are vLLM's). With speculative decoding (``draft_tokens`` per step) a
+    request may also hold the blocks its last step's rejected drafts were written to, as in
+    stock vLLM: up to cdiv(live length + draft_tokens, block)."""
     from vllm.utils.math_utils import cdiv
 
     from h2o_vllm.config import H2OConfig
@@ -167,7 +169,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int) -> list[int]:
         budget = config.budget(request.num_prompt_tokens, block_size)
         kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
         held = [b.block_id for b in manager.req_to_blocks[rid]]
-        assert len(held) == cdiv(kv_len, block_size)
+        assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + draft_tokens, block_size)
         assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted

@@ -114,20 +114,20 @@ class PendingBook:
             waiting = self._waiting.get(req_id)
             if waiting is not None:
                 waiting.drop_rejected(kv_before[row])
-            if drafts[row]:
+            stores = drafts[row] > 0 or (q_lens[row] == 1 and not immediate)
+            if stores:
                 if waiting is None:
                     waiting = self._waiting[req_id] = _Waiting(self._take_slot())
-                if len(waiting.kv_lens) + q_lens[row] > MAX_PENDING:
+                if len(waiting.kv_lens) + q_lens[row] > MAX_PENDING:  # accepted drafts filled it
                     before.append((row, waiting))
                     waiting = self._flushed_copy(waiting)
+            if drafts[row]:
                 for j in range(q_lens[row]):  # each its own decode step: weight 1, decay once
                     stored.append((starts[row] + j, waiting.slot, len(waiting.kv_lens)))
                     waiting.kv_lens.append(kv_before[row] + j + 1)
                     waiting.weights.append(1.0)
                     waiting.scales.append(decay[row])
-            elif q_lens[row] == 1 and not immediate:
-                if waiting is None:
-                    waiting = self._waiting[req_id] = _Waiting(self._take_slot())
+            elif stores:
                 stored.append((starts[row], waiting.slot, len(waiting.kv_lens)))
                 waiting.kv_lens.append(kv_lens[row])
                 waiting.weights.append(1.0 if weights is None else weights[starts[row]])

@@ -222,7 +222,9 @@ def test_verification_steps_leave_the_scores_of_plain_decoding(budget):
     for step in range(40):
         q = {i: min(4, draft_step_limit(computed[i], prompt_lens[i], budget)) for i in rows}
         drafts = {i: q[i] - 1 for i in rows}
-        accepted = {i: int(torch.randint(0, q[i], (1,), generator=rng)) for i in rows}
+        # Half the steps accept every draft: a row's waiting queries then fill up.
+        accepted = {i: q[i] - 1 if bool(torch.rand(1, generator=rng) < 0.5)
+                    else int(torch.randint(0, q[i], (1,), generator=rng)) for i in rows}
         tokens = [_token(i, computed[i] + j, accepted=j <= accepted[i], salt=step)
                   for i in rows for j in range(q[i])]
         plan = _plan(computed, rows, q, prompt_lens, budget, drafts)
@@ -258,3 +260,32 @@ def test_verification_steps_leave_the_scores_of_plain_decoding(budget):
     assert drafted > 20 and compared >= 3
     if budget.interval > deferred.MAX_PENDING:  # waiting queries made room for a step's drafts
         assert made_room
+
+
+def test_a_row_full_of_accepted_drafts_makes_room_for_a_plain_decode_step():
+    """Four verification steps, every draft accepted, fill a row's waiting queries; a step
+    without drafts (the n-gram lookup found none) then scores them before it stores its own."""
+    budget, prompt_lens = Budget(heavy=4, recent=4, interval=40), [20]
+    spec, plain = World(1, defer=True), World(1, defer=True)
+    for world in (spec, plain):
+        _batch_step(world, _plan([0], [0], {0: 20}, prompt_lens, budget), [0], [_token(0, p) for p in range(20)])
+    computed = 20
+    for _ in range(deferred.MAX_PENDING // 4):
+        _batch_step(spec, _plan([computed], [0], {0: 4}, prompt_lens, budget, {0: 3}), [0],
+                    [_token(0, computed + j) for j in range(4)])
+        computed += 4
+    decision = _batch_step(spec, _plan([computed], [0], {0: 1}, prompt_lens, budget), [0], [_token(0, computed)])
+    assert decision.before is not None and decision.before.num_queries == deferred.MAX_PENDING
+    for n in range(20, computed + 1):
+        _batch_step(plain, _plan([n], [0], {0: 1}, prompt_lens, budget), [0], [_token(0, n)])
+    # A step of two queries scores what waits in both worlds, before its own.
+    flush_spec = _batch_step(spec, _plan([computed + 1], [0], {0: 2}, prompt_lens, budget), [0],
+                             [_token(0, computed + 1 + j) for j in range(2)])
+    flush_plain = _batch_step(plain, _plan([computed + 1], [0], {0: 2}, prompt_lens, budget), [0],
+                              [_token(0, computed + 1 + j) for j in range(2)])
+    assert flush_spec.flush is not None and flush_plain.flush is not None
+    kv = computed + 3
+    blocks = spec.table[0].long()
+    pos = torch.arange(kv)
+    torch.testing.assert_close(spec.scores[blocks[pos // BLOCK], :, pos % BLOCK],
+                               plain.scores[blocks[pos // BLOCK], :, pos % BLOCK], rtol=1e-5, atol=1e-6)
