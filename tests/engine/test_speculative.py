@@ -1,0 +1,152 @@
+"""Speculative decoding (n-gram) with H2O: greedy H2O with a speculator generates exactly what
+the dense oracle (H2O without one) generates, with drafts accepted and rejected along the way
+(docs/semantics.md, "Speculative decoding"); block lists agree after every step, pools drain,
+and preemption, aborts and prefix-cache hits keep working.
+
+Real text on SmolLM2 (its induction heads copy a repeated passage, so n-gram drafts are
+accepted), and the tiny random Llama (its drafts are rejected) for the memory checks.
+"""
+import pytest
+import torch
+
+from budgets import extra_args, oracle
+from engines import check_block_lists, greedy, random_prompts, run_steps, scheduler_of, vllm_engine
+from h2o_vllm.oracle import H2OOracle
+
+BLOCK = 32
+MAX_TOKENS = 48
+DRAFTS = 3
+NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Intervals above 1 (room for drafts between compactions), the score modes, chunked prompts;
+# interval 1 leaves no room: drafts are all cut, and the tokens are still the oracle's.
+BUDGETS = {
+    "ratio-0.1+0.1-block": {"heavy_ratio": 0.1, "recent_ratio": 0.1},
+    "tokens-16+16-interval8": {"heavy_tokens": 16, "recent_tokens": 16, "interval": 8},
+    "decay-window-tokens-12+12-interval6": {"heavy_tokens": 12, "recent_tokens": 12, "interval": 6,
+                                            "decay": 0.9, "obs_window": 8},
+    "sinks-4-tokens-12+12-interval10": {"heavy_tokens": 12, "recent_tokens": 12, "interval": 10,
+                                        "sink_tokens": 4},
+    "chunk-64-tokens-16+16-interval8": {"heavy_tokens": 16, "recent_tokens": 16, "interval": 8,
+                                        "prefill_chunk": 64},
+    "tokens-16+16-interval1": {"heavy_tokens": 16, "recent_tokens": 16, "interval": 1},
+}
+
+
+def _spec_counts(llm) -> tuple[int, int]:
+    """(draft tokens, accepted tokens) so far, from vLLM's own counters."""
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    return (int(metrics["vllm:spec_decode_num_draft_tokens"]),
+            int(metrics["vllm:spec_decode_num_accepted_tokens"]))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    """Passages of the GPL-3 repeated once and a half: the model copies, n-gram guesses."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        words = f.read().split()
+    out = []
+    for i, (n, reps) in enumerate(((60, 2), (100, 2), (40, 4))):
+        passage = tokenizer(" ".join(words[i * 400:i * 400 + n])).input_ids
+        out.append((passage * reps)[:len(passage) * reps - len(passage) // 2])
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_outputs(smollm2_dir, prompts):
+    """Before any engine runs in this process (the oracle is slower after)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    outputs = {name: oracle(model, budget, BLOCK).generate(prompts, MAX_TOKENS)
+               for name, budget in BUDGETS.items()}
+    outputs["full"] = H2OOracle(model, None).generate(prompts, MAX_TOKENS)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def smollm2_ngram(smollm2_dir, oracle_outputs):
+    with vllm_engine(smollm2_dir, in_process=True, block_size=BLOCK, speculative_config=NGRAM,
+                     disable_log_stats=False, additional_config={"h2o": {}}) as llm:
+        yield llm
+
+
+def _run_matrix(llm, prompts):
+    """{budget: outputs} of every budget at once (per-request budgets), block lists checked
+    after every step; (drafts, accepted) of the run; the pool drains."""
+    scheduler = scheduler_of(llm)
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    drafts_before, accepted_before = _spec_counts(llm)
+    params = [greedy(MAX_TOKENS, extra_args=extra_args(b)) for b in BUDGETS.values() for _ in prompts]
+    evicted = []
+    outputs = run_steps(llm, prompts * len(BUDGETS), params,
+                        on_step=lambda: evicted.extend(check_block_lists(llm, {}, BLOCK, DRAFTS)))
+    assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    drafts, accepted = _spec_counts(llm)
+    n = len(prompts)
+    by_budget = {name: [outputs[str(i * n + j)] for j in range(n)] for i, name in enumerate(BUDGETS)}
+    return by_budget, drafts - drafts_before, accepted - accepted_before
+
+
+def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_ngram, prompts, oracle_outputs):
+    outputs, drafts, accepted = _run_matrix(smollm2_ngram, prompts)
+    print(f"n-gram with H2O: {accepted}/{drafts} draft tokens accepted")
+    assert accepted > 0 and accepted < drafts, "no draft accepted (or none rejected): the test proves little"
+    for name in BUDGETS:
+        assert outputs[name] == oracle_outputs[name], f"{name}: H2O with n-gram drafts left the oracle"
+    changed = [name for name in BUDGETS if oracle_outputs[name] != oracle_outputs["full"]]
+    assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
+
+
+def test_ngram_h2o_after_prefix_cache_hits_equals_the_oracle(smollm2_ngram, prompts, oracle_outputs):
+    """The same prompts again: admitted on prefix-cache hits, then decoded with drafts."""
+    _run_matrix(smollm2_ngram, prompts)  # the first round fills the cache (or the test above did)
+    outputs, _, accepted = _run_matrix(smollm2_ngram, prompts)
+    assert accepted > 0
+    for name in BUDGETS:
+        assert outputs[name] == oracle_outputs[name], f"{name}: after a prefix-cache hit"
+
+
+# --------------------------------------------------------------------------- memory, tiny model
+
+TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
+TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_ngram(tiny_llama_dir):
+    with vllm_engine(tiny_llama_dir, in_process=True, block_size=16, num_gpu_blocks_override=48,
+                     max_model_len=512, speculative_config=TINY_NGRAM,
+                     additional_config={"h2o": TINY_H2O}) as llm:
+        yield llm
+
+
+def test_preempted_requests_with_drafts_complete_without_leaking(tiny_ngram, monkeypatch):
+    """vLLM's preemption (free everything, recompute later) under speculation: every request
+    completes, block lists agree after every step, the pool drains."""
+    from h2o_vllm.scheduler.manager import H2OManager
+    monkeypatch.setattr(H2OManager, "admission_headroom", lambda self, *args: 0)
+    scheduler = scheduler_of(tiny_ngram)
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    preempted = []
+    budget = {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}  # the pool overflows
+    prompts = [p * 3 for p in random_prompts([50] * 8, seed=3)]  # repeats: the lookup drafts
+
+    def on_step():
+        check_block_lists(tiny_ngram, TINY_H2O, 16, DRAFTS)
+        preempted.extend(r.request_id for r in scheduler.running if r.num_preemptions)
+
+    outputs = run_steps(tiny_ngram, prompts, greedy(100, extra_args=budget), on_step=on_step)
+    assert preempted, "the pool was large enough: no preemption happened"
+    assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+
+
+def test_aborted_requests_with_drafts_return_their_blocks(tiny_ngram):
+    scheduler = scheduler_of(tiny_ngram)
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
+    outputs = run_steps(tiny_ngram, prompts, greedy(80), abort_after=(15, ["1", "3"]))
+    assert sorted(outputs) == ["0", "2"]
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
