@@ -44,6 +44,12 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_4_layers_dir(smollm2_dir) -> Path:
+    """SmolLM2's first four layers (real weights, copies repeated text): ~3 s after smollm2_dir."""
+    return models.smollm2_layers_dir(4)
+
+
+@pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
     """Gemma 3 270M (hybrid sliding-window), cached like SmolLM2 (~2.3 min on the first run)."""
     return models.gemma3_dir()

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from h2o_devtools.models.files import default_cache_dir
 from h2o_devtools.models.real import (GEMMA3_INSTALL, GGUF_NAME, GGUF_PACKAGE, gemma3_dir, smollm2_dir,
-                                      smollm2_gguf_path)
+                                      smollm2_gguf_path, smollm2_layers_dir)
 from h2o_devtools.models.tiny import TINY_CHAT_TEMPLATE, TINY_FAMILIES, build_tiny_llama, build_tiny_model
 
 __all__ = ["GEMMA3_INSTALL", "GGUF_NAME", "GGUF_PACKAGE", "REAL_MODELS", "TINY_CHAT_TEMPLATE",
            "TINY_FAMILIES", "build_tiny_llama", "build_tiny_model", "default_cache_dir", "gemma3_dir",
-           "model_dir", "smollm2_dir", "smollm2_gguf_path"]
+           "model_dir", "smollm2_dir", "smollm2_gguf_path", "smollm2_layers_dir"]
 
 #: Real models by the short names the benchmarks and the CLI accept for ``--model``.
 REAL_MODELS = {"smollm2": smollm2_dir, "gemma3-270m": gemma3_dir}

@@ -43,6 +43,24 @@ def smollm2_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return cached_build(SMOLLM2_SUBDIR, lambda out: _build_smollm2(smollm2_gguf_path(), out), cache_dir)
 
 
+def smollm2_layers_dir(num_layers: int, cache_dir: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct cut to its first ``num_layers`` layers (and its own final norm and
+    head), built once from ``smollm2_dir``. Real weights at a fraction of the cost: four layers
+    already copy a repeated passage (so n-gram speculation is accepted), fast enough for the
+    CUDA path run under the Triton interpreter."""
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        full = smollm2_dir(cache_dir)
+        model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32)
+        model.model.layers = model.model.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
+        _save_bf16(model, out, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        AutoTokenizer.from_pretrained(full).save_pretrained(out)
+    return cached_build(f"{SMOLLM2_SUBDIR}-{num_layers}-layers", build, cache_dir)
+
+
 def gemma3_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The Gemma 3 270M HF directory (base model, Gemma terms), built once (~2.3 min on 2 cores) if absent."""
     return cached_build(GEMMA3_SUBDIR, _build_gemma3, cache_dir)

@@ -75,14 +75,14 @@ def _choose_backend(args: Any, where: str) -> None:
 
 
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
-    """After vLLM built its config: speculation, graphs and cache dtype."""
+    """After vLLM built its config: speculation on V2, graphs and cache dtype."""
     is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
-    if (is_cuda or triton_on_cpu_enabled()) and getattr(vllm_config, "speculative_config", None) is not None:
+    if getattr(vllm_config, "speculative_config", None) is not None and vllm_config.use_v2_model_runner \
+            and (is_cuda or triton_on_cpu_enabled()):
         raise ValueError(
             "speculative decoding (--speculative-config) cannot be combined with H2O KV eviction on "
-            "the CUDA path yet: its fused attention kernel scores a verification step's queries at "
-            "once, before the rejected drafts are known (H2O's CPU backend keeps them until the "
-            f"next step). Drop --speculative-config, {_OFF}")
+            "vLLM's Model Runner V2 yet (not tested there). Set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 "
+            f"runner: H2O with n-gram drafts is exact there), drop --speculative-config, {_OFF}")
     if not is_cuda:
         return
     compilation = vllm_config.compilation_config

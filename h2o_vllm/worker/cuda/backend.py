@@ -20,6 +20,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from h2o_vllm.config import h2o_config
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
+from h2o_vllm.worker.cuda.drafts import DraftBook, DraftStep, HeldQueries
 from h2o_vllm.worker.cuda.ops import TritonOps
 from h2o_vllm.worker.step import H2OStep
 
@@ -47,6 +48,9 @@ class H2OTritonAttentionBackend(TritonAttentionBackend):
 class H2OTritonAttentionMetadata(TritonAttentionMetadata):
     # None when H2O is off or outside a real step (profiling, graph capture): stock behaviour.
     h2o: H2OStep | None = None
+    # Speculative decoding: the queries held from the last step to score, and this step's to
+    # hold (drafts.py); None without any.
+    drafts: DraftStep | None = None
 
 
 class H2OTritonMetadataBuilder(H2OBuilderMixin, TritonAttentionMetadataBuilder):
@@ -55,10 +59,14 @@ class H2OTritonMetadataBuilder(H2OBuilderMixin, TritonAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.ops = TritonOps(kv_cache_spec.head_size)
+        self.draft_book = DraftBook()
         if self.h2o is not None:
             how = "interpreted on the CPU" if torch.device(device).type == "cpu" else "compiled"
             announce_backend("H2OTritonAttentionBackend", f"H2O's fused Triton attention and "
                              f"score kernels and its compaction kernel, {how}", vllm_config)
+
+    def device_fields(self, cm, step: H2OStep) -> dict:
+        return {"drafts": self.draft_book.decide(step)}
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -77,6 +85,7 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         if self.h2o is not None:
             self._check_fusable()
             self.fuses_scores = True
+            self.held = HeldQueries()
 
     def _check_fusable(self) -> None:
         check_fusable(self, quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype))
@@ -93,6 +102,9 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         if attn_metadata.causal is not True or attn_metadata.mm_prefix_range_tensor is not None:
             raise NotImplementedError("H2O's fused attention is causal only (no per-sequence "
                                       "causality, no bidirectional multimodal prefixes)")
+        if attn_metadata.drafts is not None:  # before this step's scores: they come after
+            self.held.apply(attn_metadata.drafts, step, query, views.keys, scores, self.scale,
+                            self.logits_soft_cap, self.sinks)
         self.ops.attend(step, query, views, output, scores, self.scale,
                         attn_metadata.query_start_loc, self.logits_soft_cap, self.sinks)
 

@@ -108,23 +108,17 @@ def test_the_v2_runner_passes_on_every_platform(is_cuda):
 
 
 @pytest.mark.parametrize("is_cuda, switch", [(True, None), (False, "1")], ids=["cuda", "cuda-path-on-cpu"])
-def test_speculation_is_refused_on_the_cuda_path(monkeypatch, is_cuda, switch):
-    """The fused kernel would score drafts before their rejection is known."""
+def test_speculation_is_refused_on_the_v2_runner_of_the_cuda_path(monkeypatch, is_cuda, switch):
     from h2o_vllm.config import TRITON_ON_CPU_SWITCH
     from h2o_vllm.frontend import cuda_config
     if switch:
         monkeypatch.setenv(TRITON_ON_CPU_SWITCH, switch)
-    built = _built()
-    built.speculative_config = SimpleNamespace(method="ngram", num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="CUDA path") as info:
-        cuda_config.check_vllm_config(built, is_cuda=is_cuda)
-    assert "--speculative-config" in str(info.value)
-
-
-def test_speculation_passes_on_the_cpu_path(monkeypatch):
-    from h2o_vllm.config import TRITON_ON_CPU_SWITCH
-    from h2o_vllm.frontend import cuda_config
-    monkeypatch.delenv(TRITON_ON_CPU_SWITCH, raising=False)
-    built = _built()
-    built.speculative_config = SimpleNamespace(method="ngram", num_speculative_tokens=3)
-    cuda_config.check_vllm_config(built, is_cuda=False)
+    for v2 in (False, True):
+        built = _built(v2=v2)
+        built.speculative_config = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+        if not v2:
+            cuda_config.check_vllm_config(built, is_cuda=is_cuda)
+            continue
+        with pytest.raises(ValueError, match="Model Runner V2") as info:
+            cuda_config.check_vllm_config(built, is_cuda=is_cuda)
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(info.value)
