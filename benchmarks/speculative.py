@@ -57,9 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON for vLLM's --speculative-config in the +ngram configurations")
     p.add_argument("--text", default="gpl3", help="text the passages come from: gpl3, jargon, devil or a path")
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (passages repeated up to it)")
+    p.add_argument("--prompt-len", type=int, default=256,
+                   help="prompt tokens at most (as many whole copies of the passage as fit, at least 2)")
     p.add_argument("--passage-len", type=int, default=64,
-                   help="tokens of text repeated in each prompt (prompt-len / passage-len repeats)")
+                   help="tokens of text (whole lines, at least this many) repeated in each prompt")
     p.add_argument("--output-len", type=int, default=192)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--stock-concurrency", type=float, default=2.0,
@@ -100,33 +101,44 @@ def parse_config(spec: str) -> tuple[str, str, float | None, bool]:
 
 def build_workload(args: argparse.Namespace, model: str, path: Path) -> dict:
     """Write the prompts as a ShareGPT-format JSON (``--dataset-name sharegpt``: the harness's
-    way to take fixed prompts): each a passage of ``--passage-len`` tokens of real text at a
-    seeded offset, repeated until ``--prompt-len`` tokens, decoded to text. Returns the facts
-    (token lengths as the harness's tokenizer counts them)."""
+    way to take fixed prompts; ``--output-len`` fixes every answer's length). Each prompt is a
+    passage of whole lines of real text (at least ``--passage-len`` tokens, from a seeded line)
+    written out as many times as fit ``--prompt-len`` tokens (at least twice): the prompt ends
+    at the end of a copy, so the model's natural continuation is the passage again, which the
+    n-gram drafter finds in the prompt. Returns the facts, token lengths as the harness's
+    tokenizer counts them."""
     from transformers import AutoTokenizer
 
     from h2o_devtools import bench
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    ids = tokenizer.encode(bench.read_text(args.text), add_special_tokens=False)
-    if len(ids) < args.passage_len * 2:
-        raise ValueError(f"{args.text}: {len(ids)} tokens, too few for --passage-len {args.passage_len}")
+
+    def count(text: str) -> int:
+        return len(tokenizer(text).input_ids)  # as the harness counts a ShareGPT prompt
+
+    lines = bench.read_text(args.text).splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip()]
     rng = random.Random(args.seed)
-    entries, prompt_lens = [], []
+    entries, prompt_lens, passage_lens = [], [], []
     for i in range(args.num_requests):
-        start = rng.randrange(0, len(ids) - args.passage_len + 1)
-        passage = ids[start:start + args.passage_len]
-        repeats = -(-(args.prompt_len + args.output_len) // args.passage_len)
-        prompt_ids = (passage * repeats)[:args.prompt_len]
-        prompt = tokenizer.decode(prompt_ids)
-        # the expected continuation (unused by the harness: --output-len fixes the length)
-        completion = tokenizer.decode((passage * repeats)[args.prompt_len:args.prompt_len + args.output_len])
-        prompt_lens.append(len(tokenizer(prompt).input_ids))  # as the harness counts it
+        first = rng.choice(starts)
+        passage = ""
+        for line in lines[first:]:
+            passage += line
+            if count(passage) >= args.passage_len:
+                break
+        passage = passage.rstrip("\n") + "\n\n"
+        tokens = count(passage)
+        repeats = max(2, args.prompt_len // tokens)
+        prompt = passage * repeats
         entries.append({"id": f"spec-{i}", "conversations": [{"from": "human", "value": prompt},
-                                                             {"from": "gpt", "value": completion}]})
+                                                             {"from": "gpt", "value": passage}]})
+        prompt_lens.append(count(prompt))
+        passage_lens.append(tokens)
     path.write_text(json.dumps(entries, indent=1) + "\n")
-    return {"dataset_path": str(path), "text": args.text, "passage_len": args.passage_len,
-            "prompt_lens": prompt_lens, "max_prompt_len": max(prompt_lens)}
+    return {"dataset_path": str(path), "text": args.text, "passage_lens": passage_lens,
+            "prompt_lens": prompt_lens, "max_prompt_len": max(prompt_lens),
+            "mean_prompt_len": sum(prompt_lens) / len(prompt_lens)}
 
 
 # --------------------------------------------------------------------------- child

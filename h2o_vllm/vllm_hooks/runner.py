@@ -66,14 +66,18 @@ def void_request_ids(scheduler_output) -> set[str]:
             | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
 
 
+def scheduled_drafts(scheduler_output) -> dict[str, int]:
+    """Speculative decoding: each request's draft tokens in this step (``StepPlan.draft_lens``)."""
+    return {r: len(t) for r, t in (scheduler_output.scheduled_spec_decode_tokens or {}).items() if t}
+
+
 def begin_step(state, scheduler_output,
                rewrite_row: Callable[[str, int, list[int]], None]) -> None:
     """Step 1: give rows that compacted into fresh blocks last step those blocks
     (``rewrite_row(request, group id, blocks)``), then keep this step's scheduler inputs."""
     from h2o_vllm.prefix_orders import ATTRIBUTE
-    drafts = {r: len(t) for r, t in (scheduler_output.scheduled_spec_decode_tokens or {}).items() if t}
     due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output),
-                           drafts)
+                           scheduled_drafts(scheduler_output))
     for req_id, (group_id, fresh) in due.items():
         rewrite_row(req_id, group_id, fresh)
 

@@ -451,6 +451,23 @@ def test_scheduler_output_names_the_requests_whose_cache_is_void():
     assert void_request_ids(output) == {"f", "p", "r"}
 
 
+def test_speculative_steps_are_read_from_vllms_step_output_and_requests():
+    """``runner.scheduled_drafts`` reads each request's drafts from the step output;
+    ``scheduler.events.limit_step`` tells drafts from known tokens by the request's counts."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from h2o_vllm.vllm_hooks.runner import scheduled_drafts
+    assert "scheduled_spec_decode_tokens" in _fields("vllm.v1.core.sched.output:SchedulerOutput")
+    output = dataclasses.replace(SchedulerOutput.make_empty(),
+                                 scheduled_spec_decode_tokens={"a": [5, 6, 7], "b": []})
+    assert scheduled_drafts(output) == {"a": 3}
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), None)
+    request.spec_token_ids = [9, 9]
+    assert (request.num_tokens, request.num_output_placeholders, request.num_tokens_with_spec) == (3, 0, 5)
+
+
 TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
                       "torch.cuda:get_device_capability",
                       "vllm.platforms.cpu:CpuPlatform.check_and_update_config"}
