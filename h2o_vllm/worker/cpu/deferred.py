@@ -40,7 +40,6 @@ class _Waiting:
     kv_lens: list[int] = field(default_factory=list)   # keys each waiting query saw
     weights: list[float] = field(default_factory=list)  # its query weight (1: paper H2O)
     scales: list[float] = field(default_factory=list)   # its step's score_scale (1: paper H2O)
-    replacement: _Waiting | None = None  # see PendingBook._flushed_copy
 
     def drop_rejected(self, kv_len: int) -> None:
         """Keep the queries whose token is still in the cache, which holds ``kv_len`` tokens:
@@ -119,8 +118,8 @@ class PendingBook:
                 if waiting is None:
                     waiting = self._waiting[req_id] = _Waiting(self._take_slot())
                 if len(waiting.kv_lens) + q_lens[row] > MAX_PENDING:  # accepted drafts filled it
-                    before.append((row, waiting))
-                    waiting = self._flushed_copy(waiting)
+                    before.append((row, waiting))  # scored first, then the slot is refilled
+                    waiting = self._waiting[req_id] = _Waiting(waiting.slot)
             if drafts[row]:
                 for j in range(q_lens[row]):  # each its own decode step: weight 1, decay once
                     stored.append((starts[row] + j, waiting.slot, len(waiting.kv_lens)))
@@ -137,20 +136,11 @@ class PendingBook:
             elif q_lens[row] > 0 and waiting is not None and waiting.kv_lens:
                 flushing.append((row, waiting))  # before this step's own scores of the row
         first = self._flush(step, before) if before else None
-        for row, waiting in before:  # the entries _flushed_copy kept aside are the row's now
-            self._waiting[plan.req_ids[row]] = waiting.replacement
         flush = self._flush(step, flushing) if flushing else None
         to_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         tokens, slots, pos = (map(to_tensor, zip(*stored))) if stored else (None, None, None)
         return DeferredDecode(capacity=self._capacity, store_tokens=tokens, store_slots=slots,
                               store_pos=pos, flush=flush, before=first, immediate=immediate)
-
-    @staticmethod
-    def _flushed_copy(waiting: _Waiting) -> _Waiting:
-        """An empty list on ``waiting``'s slot for the entries stored after its flush; ``waiting``
-        keeps the entries to flush until ``_flush`` has read them."""
-        waiting.replacement = _Waiting(waiting.slot)
-        return waiting.replacement
 
     def _flush(self, step: H2OStep, flushing: list[tuple[int, _Waiting]]) -> Flush:
         num_queries = max(len(w.kv_lens) for _, w in flushing)
