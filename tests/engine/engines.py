@@ -173,3 +173,25 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
         assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted
+
+
+def spec_decode_counts(llm) -> tuple[int, int]:
+    """(draft tokens, accepted tokens) so far, from vLLM's own counters (an engine made with
+    ``disable_log_stats=False``)."""
+    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    return (int(metrics["vllm:spec_decode_num_draft_tokens"]),
+            int(metrics["vllm:spec_decode_num_accepted_tokens"]))
+
+
+def repeated_passages(model_dir, shapes) -> list[list[int]]:
+    """Prompts a model that copies makes n-gram drafts right on: passages of the GPL-3, each
+    (words, repeats) of ``shapes`` repeated and cut half a passage short."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        words = f.read().split()
+    prompts = []
+    for i, (n, repeats) in enumerate(shapes):
+        passage = tokenizer(" ".join(words[i * 400:i * 400 + n])).input_ids
+        prompts.append((passage * repeats)[:len(passage) * repeats - len(passage) // 2])
+    return prompts

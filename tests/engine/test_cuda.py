@@ -17,8 +17,8 @@ import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
 from engines import (V2_ENV, check_block_lists, generate_ids, greedy, in_fresh_process,
-                     model_runner_of, random_prompts, run_steps, scheduler_of,
-                     start_in_fresh_process, vllm_engine)
+                     model_runner_of, random_prompts, repeated_passages, run_steps, scheduler_of,
+                     spec_decode_counts, start_in_fresh_process, vllm_engine)
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 ON_GPU = torch.cuda.is_available()
@@ -315,3 +315,44 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
             outputs.append(list(out.outputs[0].token_ids))
             hits.append(out.num_cached_tokens or 0)
     return outputs, hits
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+CUDA_PATH_BUDGETS = {
+    "tokens-8+8-interval6": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 6},
+    "decay-tokens-6+8-interval5": {"heavy_tokens": 6, "recent_tokens": 8, "interval": 5, "decay": 0.9},
+    "window-sinks-tokens-6+6-interval7": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 7,
+                                          "obs_window": 8, "sink_tokens": 2},
+}
+CUDA_PATH_TOKENS = 16
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def test_ngram_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir):
+    """``H2OTritonAttentionBackend`` (V1 runner): the fused kernel attends a verification row
+    without scoring it, and the accepted queries are scored at the row's next step
+    (``worker/cuda/drafts.py``). Without a GPU, inside vLLM's CPU engine under the Triton
+    interpreter; SmolLM2's first four layers copy the repeated passages."""
+    from transformers import AutoModelForCausalLM
+
+    from h2o_vllm.oracle import H2OOracle
+    prompts = repeated_passages(smollm2_4_layers_dir, ((16, 3), (24, 2)))
+    model = AutoModelForCausalLM.from_pretrained(smollm2_4_layers_dir, dtype=torch.float32).eval()
+    expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
+                for name, b in CUDA_PATH_BUDGETS.items()}
+    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
+    params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
+              for _ in prompts]
+    with vllm_engine(smollm2_4_layers_dir, in_process=True, block_size=16, max_model_len=256,
+                     speculative_config=NGRAM, disable_log_stats=False, additional_config={"h2o": {}},
+                     **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: "0"})) as llm:
+        evicted = []
+        outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
+                            on_step=lambda: evicted.extend(check_block_lists(llm, {}, 16, NGRAM["num_speculative_tokens"])))
+        drafts, accepted = spec_decode_counts(llm)
+    assert 0 < accepted < drafts and max(evicted) > 0
+    n = len(prompts)
+    for i, name in enumerate(CUDA_PATH_BUDGETS):
+        assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
+    assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)

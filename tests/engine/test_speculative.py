@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from budgets import extra_args, oracle
-from engines import check_block_lists, greedy, random_prompts, run_steps, scheduler_of, vllm_engine
+from engines import (check_block_lists, greedy, random_prompts, repeated_passages, run_steps,
+                     scheduler_of, spec_decode_counts, vllm_engine)
 from h2o_vllm.oracle import H2OOracle
 
 BLOCK = 32
@@ -32,25 +33,10 @@ BUDGETS = {
 }
 
 
-def _spec_counts(llm) -> tuple[int, int]:
-    """(draft tokens, accepted tokens) so far, from vLLM's own counters."""
-    metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    return (int(metrics["vllm:spec_decode_num_draft_tokens"]),
-            int(metrics["vllm:spec_decode_num_accepted_tokens"]))
-
-
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
     """Passages of the GPL-3 repeated once and a half: the model copies, n-gram guesses."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    with open("/usr/share/common-licenses/GPL-3") as f:
-        words = f.read().split()
-    out = []
-    for i, (n, reps) in enumerate(((60, 2), (100, 2), (40, 4))):
-        passage = tokenizer(" ".join(words[i * 400:i * 400 + n])).input_ids
-        out.append((passage * reps)[:len(passage) * reps - len(passage) // 2])
-    return out
+    return repeated_passages(smollm2_dir, ((60, 2), (100, 2), (40, 4)))
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +62,14 @@ def _run_matrix(llm, prompts):
     after every step; (drafts, accepted) of the run; the pool drains."""
     scheduler = scheduler_of(llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    drafts_before, accepted_before = _spec_counts(llm)
+    drafts_before, accepted_before = spec_decode_counts(llm)
     params = [greedy(MAX_TOKENS, extra_args=extra_args(b)) for b in BUDGETS.values() for _ in prompts]
     evicted = []
     outputs = run_steps(llm, prompts * len(BUDGETS), params,
                         on_step=lambda: evicted.extend(check_block_lists(llm, {}, BLOCK, DRAFTS)))
     assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
-    drafts, accepted = _spec_counts(llm)
+    drafts, accepted = spec_decode_counts(llm)
     n = len(prompts)
     by_budget = {name: [outputs[str(i * n + j)] for j in range(n)] for i, name in enumerate(BUDGETS)}
     return by_budget, drafts - drafts_before, accepted - accepted_before
@@ -150,54 +136,3 @@ def test_aborted_requests_with_drafts_return_their_blocks(tiny_ngram):
     outputs = run_steps(tiny_ngram, prompts, greedy(80), abort_after=(15, ["1", "3"]))
     assert sorted(outputs) == ["0", "2"]
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
-
-
-# --------------------------------------------------------------------------- the CUDA path
-
-CUDA_PATH_BUDGETS = {
-    "tokens-8+8-interval6": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 6},
-    "decay-tokens-6+8-interval5": {"heavy_tokens": 6, "recent_tokens": 8, "interval": 5, "decay": 0.9},
-    "window-sinks-tokens-6+6-interval7": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 7,
-                                          "obs_window": 8, "sink_tokens": 2},
-}
-CUDA_PATH_TOKENS = 16
-
-
-def test_ngram_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir):
-    """``H2OTritonAttentionBackend`` (V1 runner): the fused kernel attends a verification row
-    without scoring it, and the accepted queries are scored at the row's next step
-    (``worker/cuda/drafts.py``). Without a GPU, inside vLLM's CPU engine under the Triton
-    interpreter; SmolLM2's first four layers copy the repeated passages."""
-    import os
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engines import V2_ENV
-    from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET != 1")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_4_layers_dir)
-    with open("/usr/share/common-licenses/GPL-3") as f:
-        words = f.read().split()
-    prompts = []
-    for i, (n, reps) in enumerate(((16, 3), (24, 2))):
-        passage = tokenizer(" ".join(words[i * 400:i * 400 + n])).input_ids
-        prompts.append((passage * reps)[:len(passage) * reps - len(passage) // 2])
-    model = AutoModelForCausalLM.from_pretrained(smollm2_4_layers_dir, dtype=torch.float32).eval()
-    expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
-                for name, b in CUDA_PATH_BUDGETS.items()}
-    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
-              for _ in prompts]
-    with vllm_engine(smollm2_4_layers_dir, in_process=True, block_size=16, max_model_len=256,
-                     speculative_config=NGRAM, disable_log_stats=False, additional_config={"h2o": {}},
-                     env={SWITCH: "1", V2_ENV: "0"}) as llm:
-        evicted = []
-        outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
-                            on_step=lambda: evicted.extend(check_block_lists(llm, {}, 16, DRAFTS)))
-        drafts, accepted = _spec_counts(llm)
-    assert 0 < accepted < drafts and max(evicted) > 0
-    n = len(prompts)
-    for i, name in enumerate(CUDA_PATH_BUDGETS):
-        assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
-    assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
