@@ -6,8 +6,9 @@ Configurations (``--configs``, default ``stock,stock+ngram,h2o:0.2,h2o:0.2+ngram
 (``--speculative-config``, default n-gram prompt lookup, 3 draft tokens). Each one runs in a
 fresh subprocess as ``h2o-vllm bench throughput`` (vLLM's ``vllm bench throughput`` with the
 plugin), in process, with the same KV pool (``--num-gpu-blocks-override``) and the same
-prompts: passages of real text (GPL-3) repeated until the prompt length, so the model copies
-and n-gram drafts get accepted. Throughput comes from the harness's ``--output-json``; the
+prompts: passages of real text (GPL-3) repeated up to the prompt length, ending inside a copy,
+so the model copies and n-gram drafts get accepted; greedy by default (``--temperature``: the
+harness's own 1.0 defeats the copy, README "speculative.py"). Throughput comes from the harness's ``--output-json``; the
 child also reads vLLM's own counters (drafts, accepted tokens, preemptions) and samples the
 scheduler after each engine step (sequences running, KV blocks used). A configuration the
 engine refuses (H2O with a speculator it does not support) is recorded as an error and the run
@@ -55,10 +56,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"ending in {SPEC_SUFFIX} (speculative decoding with --speculative-config)")
     p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC),
                    help="JSON for vLLM's --speculative-config in the +ngram configurations")
+    p.add_argument("--temperature", default="0",
+                   help="sampling temperature of every request, set on the SamplingParams the harness "
+                        "builds (it hardcodes temperature 1.0, top_p 1.0); 'harness' leaves its own. "
+                        "Default 0 (greedy): see benchmarks/README.md for why")
     p.add_argument("--text", default="gpl3", help="text the passages come from: gpl3, jargon, devil or a path")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=256,
-                   help="prompt tokens at most (as many whole copies of the passage as fit, at least 2)")
+                   help="prompt tokens at most (whole copies of the passage, at least 2, then its first lines)")
     p.add_argument("--passage-len", type=int, default=64,
                    help="tokens of text (whole lines, at least this many) repeated in each prompt")
     p.add_argument("--output-len", type=int, default=192)
@@ -103,10 +108,10 @@ def build_workload(args: argparse.Namespace, model: str, path: Path) -> dict:
     """Write the prompts as a ShareGPT-format JSON (``--dataset-name sharegpt``: the harness's
     way to take fixed prompts; ``--output-len`` fixes every answer's length). Each prompt is a
     passage of whole lines of real text (at least ``--passage-len`` tokens, from a seeded line)
-    written out as many times as fit ``--prompt-len`` tokens (at least twice): the prompt ends
-    at the end of a copy, so the model's natural continuation is the passage again, which the
-    n-gram drafter finds in the prompt. Returns the facts, token lengths as the harness's
-    tokenizer counts them."""
+    written out as many times as fit ``--prompt-len`` tokens (at least twice) and then its first
+    lines again: the prompt ends inside a copy, so the model's natural continuation is the rest
+    of the passage (and further copies), which the n-gram drafter finds in the prompt. Returns
+    the facts, token lengths as the harness's tokenizer counts them."""
     from transformers import AutoTokenizer
 
     from h2o_devtools import bench
@@ -129,8 +134,12 @@ def build_workload(args: argparse.Namespace, model: str, path: Path) -> dict:
                 break
         passage = passage.rstrip("\n") + "\n\n"
         tokens = count(passage)
-        repeats = max(2, args.prompt_len // tokens)
-        prompt = passage * repeats
+        # end the prompt inside a copy, at a line end: SmolLM2 copies a passage it is in the
+        # middle of (greedy: ~99% of n-gram drafts accepted) but after a finished copy it goes on
+        # with new text (~0% accepted)
+        head = passage[:passage.find("\n", len(passage) // 3) + 1]
+        repeats = max(2, (args.prompt_len - count(head)) // tokens)
+        prompt = passage * repeats + head
         entries.append({"id": f"spec-{i}", "conversations": [{"from": "human", "value": prompt},
                                                              {"from": "gpt", "value": passage}]})
         prompt_lens.append(count(prompt))
@@ -180,6 +189,19 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
+def _with_temperature(generate, temperature: float):
+    """``LLM.generate`` with each request's SamplingParams rebuilt at ``temperature`` (the
+    harness's other fields kept: n, top_p, ignore_eos, max_tokens, detokenize)."""
+    from vllm import SamplingParams
+
+    def generate_at(prompts, sampling_params, *args, **kwargs):
+        params = [SamplingParams(n=p.n, temperature=temperature, top_p=p.top_p, ignore_eos=p.ignore_eos,
+                                 max_tokens=p.max_tokens, detokenize=p.detokenize)
+                  for p in (sampling_params if isinstance(sampling_params, list) else [sampling_params])]
+        return generate(prompts, params if isinstance(sampling_params, list) else params[0], *args, **kwargs)
+    return generate_at
+
+
 def run_one(job: dict) -> dict:
     """Child process: ``h2o-vllm bench throughput`` in process, observed; returns its summary
     or ``{"error": ...}`` when the engine refuses the configuration."""
@@ -208,11 +230,14 @@ def run_one(job: dict) -> dict:
             return outputs
 
         engine.step = sampled_step
+        if job["args"]["temperature"] != "harness":
+            llm.generate = _with_temperature(llm.generate, float(job["args"]["temperature"]))
         before = _counters(llm)
         try:
             elapsed, outputs = original(llm, requests, *args, **kwargs)
         finally:
             del engine.step
+            llm.__dict__.pop("generate", None)
         after = _counters(llm)
         delta = {k: (after[k] - before.get(k, 0) if not isinstance(after[k], list)
                      else [x - y for x, y in zip(after[k], before.get(k) or [0] * len(after[k]))])
@@ -345,7 +370,9 @@ def main(argv=None) -> dict:
         "command": " ".join([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]),
         "model": model, "num_blocks": num_blocks, "max_model_len": max_model_len,
         "kv_tokens": num_blocks * args.block_size, "speculative_config": spec_config,
-        "sampling": "the harness's: temperature 1.0, top_p 1.0, ignore_eos, --output-len tokens each",
+        "sampling": ("the harness's own (temperature 1.0, top_p 1.0)" if args.temperature == "harness" else
+                     f"temperature {float(args.temperature)} set on the harness's SamplingParams (it "
+                     "hardcodes 1.0); top_p 1.0") + ", ignore_eos, --output-len tokens each",
         "workload": workload, "args": vars(args)}, "runs": []}
     bar = tqdm(total=len(configs) * args.repeat, desc="speculative", unit="config")
     for round_ in range(args.repeat):
@@ -358,6 +385,8 @@ def main(argv=None) -> dict:
                    "speculative": speculative, "speculative_config": spec_config,
                    "result": str(stem) + ".part.json"}
             command = f"{env_prefix} {H2O_VLLM} {shlex.join(harness_argv(job))} --output-json {stem}.bench.json"
+            if args.temperature != "harness":
+                command += f"  # run in process with temperature {float(args.temperature)} (the command alone samples at 1.0)"
             run = {"config": label, "policy": policy, "budget": budget, "speculative": speculative,
                    "round": round_, "h2o": h2o, "harness_command": command}
             try:
@@ -452,11 +481,12 @@ def markdown_table(result: dict) -> str:
     """The table of one run, straight from its JSON (medians with ``--repeat``)."""
     meta = result["meta"]
     lines = [
-        f"{Path(meta['model']).name}, {meta['args']['num_requests']} requests x "
-        f"({meta['workload']['max_prompt_len']} + {meta['args']['output_len']}) tokens, "
+        f"{Path(meta['model']).name}, {meta['args']['num_requests']} requests: prompts of "
+        f"{meta['workload']['mean_prompt_len']:.0f} tokens on average (max {meta['workload']['max_prompt_len']}, "
+        f"{meta['args']['text']} passages repeated), {meta['args']['output_len']} output tokens each, "
         f"{meta['num_blocks']} KV blocks x {meta['args']['block_size']} for every config, "
         f"speculative config `{json.dumps(meta['speculative_config'])}`; {meta.get('cpu_model')}, "
-        f"{meta['nproc']} cores, OMP threads {meta['args']['omp_threads'] or 'unset'}"
+        f"{meta['nproc']} cores, OMP threads {meta['args']['omp_threads'] or 'unset'}; sampling: {meta['sampling']}"
         + (f", medians of {meta['args']['repeat']} rounds" if meta["args"]["repeat"] > 1 else "") + ".",
         "",
         "| config | output tok/s | total tok/s | requests/s | output x stock | x same policy w/o drafts "
@@ -513,7 +543,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     meta = result["meta"]
     fig.suptitle(f"{Path(meta['model']).name}, {meta['kv_tokens']} KV tokens for every config, "
-                 f"{meta['args']['num_requests']} x ({meta['workload']['max_prompt_len']} + "
+                 f"{meta['args']['num_requests']} x (~{meta['workload']['mean_prompt_len']:.0f} + "
                  f"{meta['args']['output_len']}) tokens, repeated text", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
