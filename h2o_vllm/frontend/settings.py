@@ -40,3 +40,8 @@ def check_engine_config(vllm_config: Any, h2o: H2OConfig | None) -> None:
         return
     conflicts.check_vllm_config(vllm_config, h2o)
     cuda_config.check_vllm_config(vllm_config)
+    if getattr(vllm_config, "speculative_config", None) is not None and h2o.interval == 1:
+        logger.warning("h2o.interval 1 (--h2o-interval 1) compacts at every step, and a step with "
+                       "speculative drafts may not compact: every draft is cut, so --speculative-config "
+                       "adds work and no speed-up (docs/semantics.md, \"Speculative decoding\"). Use "
+                       "an interval above the draft count, or per-request intervals.")

@@ -35,3 +35,18 @@ def test_settle_engine_args_leaves_stock_engines_alone():
 def test_settle_engine_args_refuses_bad_h2o_before_anything():
     with pytest.raises(ValueError, match="heavy_ratio"):
         settings.settle_engine_args(_args({"heavy_ratio": 2.0}))
+
+
+@pytest.mark.parametrize("interval, warned", [(1, True), (8, False), (None, False)])
+def test_interval_one_with_a_speculator_warns_that_no_draft_fits(monkeypatch, caplog, interval, warned):
+    from types import SimpleNamespace
+
+    from h2o_vllm.config import H2OConfig
+    monkeypatch.setattr(settings.conflicts, "has_full_attention", lambda model: True)
+    monkeypatch.setattr(settings.conflicts, "check_vllm_config", lambda *args: None)
+    monkeypatch.setattr(settings.cuda_config, "check_vllm_config", lambda *args: None)
+    built = SimpleNamespace(model_config=object(),
+                            speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3))
+    with caplog.at_level("WARNING", logger="vllm.h2o_vllm"):
+        settings.check_engine_config(built, H2OConfig(heavy_tokens=8, recent_tokens=8, interval=interval))
+    assert ("every draft is cut" in caplog.text) is warned
