@@ -329,6 +329,22 @@ CUDA_PATH_TOKENS = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
+def _cuda_path_ngram_run(model_dir, prompts):
+    """In a fresh process: an engine with a speculator registers vLLM's speculative Triton
+    kernels in its process, after which vLLM's dispatcher fails the next engine started there
+    (tests/engine/test_speculative.py)."""
+    params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
+              for _ in prompts]
+    with vllm_engine(model_dir, in_process=True, block_size=16, max_model_len=256,
+                     speculative_config=NGRAM, disable_log_stats=False, additional_config={"h2o": {}},
+                     **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: "0"})) as llm:
+        evicted = []
+        outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
+                            on_step=lambda: evicted.extend(
+                                check_block_lists(llm, {}, 16, NGRAM["num_speculative_tokens"])))
+        return outputs, spec_decode_counts(llm), max(evicted)
+
+
 def test_ngram_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir):
     """``H2OTritonAttentionBackend`` (V1 runner): the fused kernel attends a verification row
     without scoring it, and the accepted queries are scored at the row's next step
@@ -342,16 +358,9 @@ def test_ngram_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir):
     expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
                 for name, b in CUDA_PATH_BUDGETS.items()}
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
-              for _ in prompts]
-    with vllm_engine(smollm2_4_layers_dir, in_process=True, block_size=16, max_model_len=256,
-                     speculative_config=NGRAM, disable_log_stats=False, additional_config={"h2o": {}},
-                     **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: "0"})) as llm:
-        evicted = []
-        outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
-                            on_step=lambda: evicted.extend(check_block_lists(llm, {}, 16, NGRAM["num_speculative_tokens"])))
-        drafts, accepted = spec_decode_counts(llm)
-    assert 0 < accepted < drafts and max(evicted) > 0
+    outputs, (drafts, accepted), evicted = in_fresh_process(
+        _cuda_path_ngram_run, smollm2_4_layers_dir, prompts, env={**DEVICE.get("env", {}), V2_ENV: "0"})
+    assert 0 < accepted < drafts and evicted > 0
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):
         assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name

@@ -5,13 +5,18 @@ and preemption, aborts and prefix-cache hits keep working.
 
 Real text on SmolLM2 (its induction heads copy a repeated passage, so n-gram drafts are
 accepted), and the tiny random Llama (its drafts are rejected) for the memory checks.
+
+Every engine with a speculator runs in a fresh process: one in this process would register
+vLLM's speculative-decoding Triton kernels here, and vLLM's kernel dispatcher then fails the
+next engine this process starts (``register_triton_kernel_overrides``: '_lib_fn_wrapper' object
+has no attribute 'get'), in this module or the next one pytest-xdist runs here.
 """
 import pytest
 import torch
 
 from budgets import extra_args, oracle
-from engines import (check_block_lists, greedy, random_prompts, repeated_passages, run_steps,
-                     scheduler_of, spec_decode_counts, vllm_engine)
+from engines import (check_block_lists, greedy, in_fresh_process, random_prompts, repeated_passages,
+                     run_steps, scheduler_of, spec_decode_counts, vllm_engine)
 from h2o_vllm.oracle import H2OOracle
 
 BLOCK = 32
@@ -50,11 +55,17 @@ def oracle_outputs(smollm2_dir, prompts):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def smollm2_ngram(smollm2_dir, oracle_outputs):
-    with vllm_engine(smollm2_dir, in_process=True, block_size=BLOCK, speculative_config=NGRAM,
+def _smollm2_rounds(model_dir, prompts):
+    """In a fresh process (see the module note): the matrix twice on one engine, the second
+    round admitted on the first's prefix-cache hits."""
+    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=NGRAM,
                      disable_log_stats=False, additional_config={"h2o": {}}) as llm:
-        yield llm
+        return _run_matrix(llm, prompts), _run_matrix(llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def smollm2_rounds(smollm2_dir, prompts, oracle_outputs):
+    return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts)
 
 
 def _run_matrix(llm, prompts):
@@ -75,8 +86,8 @@ def _run_matrix(llm, prompts):
     return by_budget, drafts - drafts_before, accepted - accepted_before
 
 
-def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_ngram, prompts, oracle_outputs):
-    outputs, drafts, accepted = _run_matrix(smollm2_ngram, prompts)
+def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_rounds, oracle_outputs):
+    (outputs, drafts, accepted), _ = smollm2_rounds
     print(f"n-gram with H2O: {accepted}/{drafts} draft tokens accepted")
     assert accepted > 0 and accepted < drafts, "no draft accepted (or none rejected): the test proves little"
     for name in BUDGETS:
@@ -85,10 +96,9 @@ def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_ngram, p
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
 
-def test_ngram_h2o_after_prefix_cache_hits_equals_the_oracle(smollm2_ngram, prompts, oracle_outputs):
+def test_ngram_h2o_after_prefix_cache_hits_equals_the_oracle(smollm2_rounds, oracle_outputs):
     """The same prompts again: admitted on prefix-cache hits, then decoded with drafts."""
-    _run_matrix(smollm2_ngram, prompts)  # the first round fills the cache (or the test above did)
-    outputs, _, accepted = _run_matrix(smollm2_ngram, prompts)
+    _, (outputs, _, accepted) = smollm2_rounds
     assert accepted > 0
     for name in BUDGETS:
         assert outputs[name] == oracle_outputs[name], f"{name}: after a prefix-cache hit"
@@ -100,39 +110,51 @@ TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
 TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-@pytest.fixture(scope="module")
-def tiny_ngram(tiny_llama_dir):
-    with vllm_engine(tiny_llama_dir, in_process=True, block_size=16, num_gpu_blocks_override=48,
-                     max_model_len=512, speculative_config=TINY_NGRAM,
-                     additional_config={"h2o": TINY_H2O}) as llm:
-        yield llm
+def _tiny_ngram(model_dir):
+    return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48,
+                       max_model_len=512, speculative_config=TINY_NGRAM, additional_config={"h2o": TINY_H2O})
 
 
-def test_preempted_requests_with_drafts_complete_without_leaking(tiny_ngram, monkeypatch):
+def _preempted_run(model_dir):
+    """In a fresh process: the admission headroom off (the process is this test's alone), so
+    the pool overflows and vLLM preempts."""
+    with _tiny_ngram(model_dir) as llm:
+        from h2o_vllm.scheduler.manager import H2OManager  # once the plugin has loaded
+        H2OManager.admission_headroom = lambda self, *args: 0
+        scheduler = scheduler_of(llm)
+        free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        preempted = []
+        budget = {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}
+        prompts = [p * 3 for p in random_prompts([50] * 8, seed=3)]  # repeats: the lookup drafts
+
+        def on_step():
+            check_block_lists(llm, TINY_H2O, 16, DRAFTS)
+            preempted.extend(r.request_id for r in scheduler.running if r.num_preemptions)
+
+        outputs = run_steps(llm, prompts, greedy(100, extra_args=budget), on_step=on_step)
+        return (preempted, outputs, free_before,
+                scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def test_preempted_requests_with_drafts_complete_without_leaking(tiny_llama_dir):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    from h2o_vllm.scheduler.manager import H2OManager
-    monkeypatch.setattr(H2OManager, "admission_headroom", lambda self, *args: 0)
-    scheduler = scheduler_of(tiny_ngram)
-    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    preempted = []
-    budget = {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}  # the pool overflows
-    prompts = [p * 3 for p in random_prompts([50] * 8, seed=3)]  # repeats: the lookup drafts
-
-    def on_step():
-        check_block_lists(tiny_ngram, TINY_H2O, 16, DRAFTS)
-        preempted.extend(r.request_id for r in scheduler.running if r.num_preemptions)
-
-    outputs = run_steps(tiny_ngram, prompts, greedy(100, extra_args=budget), on_step=on_step)
+    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, tiny_llama_dir)
     assert preempted, "the pool was large enough: no preemption happened"
     assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    assert free_after == free_before
 
 
-def test_aborted_requests_with_drafts_return_their_blocks(tiny_ngram):
-    scheduler = scheduler_of(tiny_ngram)
-    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
-    outputs = run_steps(tiny_ngram, prompts, greedy(80), abort_after=(15, ["1", "3"]))
+def _aborted_run(model_dir):
+    with _tiny_ngram(model_dir) as llm:
+        pool = scheduler_of(llm).kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
+        outputs = run_steps(llm, prompts, greedy(80), abort_after=(15, ["1", "3"]))
+        return outputs, free_before, pool.get_num_free_blocks()
+
+
+def test_aborted_requests_with_drafts_return_their_blocks(tiny_llama_dir):
+    outputs, free_before, free_after = in_fresh_process(_aborted_run, tiny_llama_dir)
     assert sorted(outputs) == ["0", "2"]
-    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    assert free_after == free_before
