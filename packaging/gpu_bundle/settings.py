@@ -13,7 +13,10 @@ import sys
 
 # FlashInfer's sampler and the V2 model runner need compiled extensions the bundle lacks (H2O
 # runs on either runner; an installed vLLM runs its defaults, V2 included: docs/cuda.md).
-ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+# Spawned engine cores: a test process has often touched CUDA before it starts an engine, and a
+# forked child cannot re-initialise CUDA (the first H200 run failed that way).
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
+       "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 # Eager: CUDA graphs need ``weak_ref_tensor`` from the compiled extension. custom_ops "none":
 # every CustomOp runs its forward_native. ir_op_priority: vLLM's native RMS norms first (the
 # stand-in's ``_C`` bodies are only the fallback).

@@ -92,7 +92,7 @@ def _engine(model_dir, **kwargs):
 def _v2(kwargs) -> bool:
     """Whether an engine of ENGINES runs Model Runner V2 (vLLM's choice on a GPU unless told)."""
     env = {**DEVICE.get("env", {}), **kwargs.get("env", {})}
-    return env.get(V2_ENV, "1" if ON_GPU else "0") == "1"
+    return env.get(V2_ENV, os.environ.get(V2_ENV, "1" if ON_GPU else "0")) == "1"
 
 
 def _serve(fn, model_dir, kwargs, *args):
