@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: The attribute of vLLM's ``SchedulerOutput`` that carries a step's orders.
+#: The attribute of vLLM's ``SchedulerOutput`` that carries a step's orders: {KV-cache group
+#: id: PrefixOrders} for each H2O group with any.
 ATTRIBUTE = "h2o_prefix"
 
 

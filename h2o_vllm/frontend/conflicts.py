@@ -126,9 +126,10 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
         f"...), raise --max-model-len, {_OFF}")
 
 
-#: Speculators H2O runs with: n-gram drafts come from the token history and have no KV cache
-#: of their own (docs/semantics.md, "Speculative decoding").
-SPECULATORS = ("ngram",)
+#: Speculators H2O runs with (docs/semantics.md, "Speculative decoding"): n-gram drafts come
+#: from the token history and have no KV cache; a draft model's layers keep their KV cache
+#: whole, in KV-cache groups of their own (``scheduler.spec.h2o_specs``).
+SPECULATORS = ("ngram", "draft_model")
 def _check_speculative_args(args: Any) -> None:
     """``--speculative-config`` and its shorthands, as given (vLLM resolves them later)."""
     config = getattr(args, "speculative_config", None)

@@ -119,17 +119,24 @@ def plan_records(manager: H2OManager, request, start: int) -> None:
             planned.append(record)
 
 
-def prefix_orders(managers: Sequence[H2OManager], scheduler_output,
+def step_orders(managers: Sequence[H2OManager], scheduler_output,
+                requests: Mapping[str, object]) -> dict[int, PrefixOrders]:
+    """This step's orders for the workers: {KV-cache group id: its manager's orders}. Each H2O
+    group (a hybrid model or a drafter can give several) has its own blocks, records and fresh
+    blocks; a worker's layers follow their own group's."""
+    orders = {manager.kv_cache_group_id: prefix_orders(manager, scheduler_output, requests)
+              for manager in managers}
+    return {group: o for group, o in orders.items() if o}
+
+
+def prefix_orders(manager: H2OManager, scheduler_output,
                   requests: Mapping[str, object]) -> PrefixOrders:
-    """This step's orders for the workers, drained from the managers (one per H2O group;
-    the orders name block ids, which every group's manager hands out from one pool)."""
+    """This step's orders of one H2O group, drained from its manager."""
     orders = PrefixOrders()
     scheduled = scheduler_output.num_scheduled_tokens
     admitted = {r.req_id for r in scheduler_output.scheduled_new_reqs}
     admitted |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
-    for manager in managers:
-        if manager.records is None:
-            continue
+    if manager.records is not None:
         orders.score_inits.extend(manager.step_score_inits)
         manager.step_score_inits = []
         for rid, num_tokens in scheduled.items():

@@ -36,6 +36,11 @@ class H2OAttentionSpec(FullAttentionSpec):
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:
+        # vLLM tells uniform models from hybrid ones by whether the first layer's merge raises
+        # AssertionError (``is_kv_cache_spec_uniform``): a hybrid model whose first layer is
+        # full attention lands here with sliding-window specs in the list.
+        if not all(isinstance(spec, H2OAttentionSpec) for spec in specs):
+            raise AssertionError("H2O layers share a KV-cache group only with H2O layers")
         # FullAttentionSpec.merge rebuilds from base fields only and would drop `h2o`.
         configs = {spec.h2o for spec in specs}
         if len(configs) != 1:
@@ -43,10 +48,21 @@ class H2OAttentionSpec(FullAttentionSpec):
         return replace(super().merge(specs), h2o=configs.pop())
 
 
-def h2o_specs(specs: dict, config: H2OConfig | None) -> dict:
+def h2o_specs(specs: dict, config: H2OConfig | None, whole: frozenset[str] = frozenset()) -> dict:
     """The runner's KV-cache specs with each full-attention spec carrying the H2O config
-    (unchanged when H2O is off)."""
+    (unchanged when H2O is off). The layers in ``whole`` (a speculative drafter's own) keep
+    vLLM's spec: H2O leaves their KV cache whole, in KV-cache groups of their own."""
     if config is None:
         return specs
-    return {name: H2OAttentionSpec.from_full(spec, config) if type(spec) is FullAttentionSpec else spec
+    return {name: H2OAttentionSpec.from_full(spec, config)
+            if type(spec) is FullAttentionSpec and name not in whole else spec
             for name, spec in specs.items()}
+
+
+def is_h2o_spec(spec) -> bool:
+    """Whether a KV-cache group's (or layer's) spec is H2O's; vLLM gives a group of layers of
+    one type but different shapes a ``UniformTypeKVCacheSpecs``."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    if isinstance(inner, dict):
+        return bool(inner) and all(isinstance(s, H2OAttentionSpec) for s in inner.values())
+    return isinstance(spec, H2OAttentionSpec)

@@ -154,7 +154,9 @@ def register_kv_cache_spec() -> None:
     from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
     KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=FullAttentionSpec)
+    # Its own base: H2O layers share a KV-cache group only with H2O layers, so a drafter's
+    # full-attention layers (left whole) get groups and block tables of their own.
+    KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=H2OAttentionSpec)
 
 
 # Re-exported: plugin.register() and the tests use the package as one namespace.

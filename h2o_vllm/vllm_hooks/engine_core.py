@@ -101,7 +101,7 @@ def _schedule_wrapper(original):
         output = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
             managers = _h2o_managers(self.kv_cache_manager)
-            setattr(output, ATTRIBUTE, prefix_hits.prefix_orders(managers, output, self.requests))
+            setattr(output, ATTRIBUTE, prefix_hits.step_orders(managers, output, self.requests))
             events.cut_scheduled(managers, output, self.requests)
             events.record_metrics(managers, self.running)
         return output

@@ -46,17 +46,23 @@ def runner_state(runner):
 
 def _h2o_groups(runner) -> list[tuple[int, int]]:
     """(KV-cache group id, block size) of each H2O group of the runner."""
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    from h2o_vllm.scheduler.spec import is_h2o_spec
     return [(i, g.kv_cache_spec.block_size) for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
-            if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
+            if is_h2o_spec(g.kv_cache_spec)]
 
 
 def h2o_builders(attn_groups) -> list:
     """The H2O metadata builders among a runner's attention groups (one per group and
     micro-batch; a hybrid model's sliding-window groups included: they ignore the plan)."""
     from h2o_vllm.worker.core import H2OBuilderMixin
-    return [b for groups in attn_groups for group in groups for b in group.metadata_builders
-            if isinstance(b, H2OBuilderMixin)]
+    builders = []
+    for groups in attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if isinstance(builder, H2OBuilderMixin):
+                    builder.kv_cache_group_id = group.kv_cache_group_id  # whose orders it builds
+                    builders.append(builder)
+    return builders
 
 
 def void_request_ids(scheduler_output) -> set[str]:
@@ -78,7 +84,7 @@ def begin_step(state, scheduler_output,
     from h2o_vllm.prefix_orders import ATTRIBUTE
     due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output),
                            scheduled_drafts(scheduler_output))
-    for req_id, (group_id, fresh) in due.items():
+    for (req_id, group_id), fresh in due.items():
         rewrite_row(req_id, group_id, fresh)
 
 
@@ -94,8 +100,16 @@ def finish_step(state, plan, truncate_row: Callable[[int, int, int, list[int] | 
 
 
 def _get_kv_cache_spec_wrapper(original):
-    """Full-attention specs become ``H2OAttentionSpec`` (both runners)."""
+    """Full-attention specs become ``H2OAttentionSpec`` (both runners), except a speculative
+    drafter's own layers."""
     def get_kv_cache_spec(self):
         from h2o_vllm.scheduler.spec import h2o_specs
-        return h2o_specs(original(self), _h2o_of(self))
+        return h2o_specs(original(self), _h2o_of(self), drafter_layer_names(self))
     return get_kv_cache_spec
+
+
+def drafter_layer_names(runner) -> frozenset[str]:
+    """The attention layers of the runner's speculative drafter (a draft model's, EAGLE's;
+    none for n-gram), known once vLLM has loaded the drafter, before it asks for the specs."""
+    drafter = getattr(runner, "drafter", None)
+    return frozenset(getattr(drafter, "_draft_attn_layer_names", None) or ())

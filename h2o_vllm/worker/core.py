@@ -16,9 +16,9 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from h2o_vllm.config import h2o_config
+from h2o_vllm.scheduler.spec import is_h2o_spec
 from h2o_vllm.worker.plan import StepPlan
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
@@ -69,16 +69,19 @@ class H2OBuilderMixin:
     #: Model Runner V2 makes a batch's plan in one call and builds its metadata in the next:
     #: (batch, plan) in between (``arm``, ``take_armed``).
     armed: tuple[object, StepPlan] | None = None
+    #: The builder's KV-cache group (``vllm_hooks.runner.h2o_builders``): the prefix-cache
+    #: orders it builds with are that group's (``StepPlan.for_group``).
+    kv_cache_group_id: int = 0
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # A hybrid model's sliding-window groups keep vLLM's own metadata (and window). Every
-        # other group is H2O's, as the scheduler side sees it (h2o_specs).
-        self.h2o = None if isinstance(kv_cache_spec, SlidingWindowSpec) else h2o_config(vllm_config)
+        # A hybrid model's sliding-window groups and a drafter's layers keep vLLM's own
+        # metadata: only H2O's groups (h2o_specs) get a plan.
+        self.h2o = h2o_config(vllm_config) if is_h2o_spec(kv_cache_spec) else None
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
-        plan = self.plan if self.h2o is not None else None
+        plan = self.plan.for_group(self.kv_cache_group_id) if self.h2o is not None and self.plan else None
         if plan is not None:
             cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops)
         metadata = super().build(common_prefix_len, cm, fast_build)

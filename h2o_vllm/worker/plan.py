@@ -43,8 +43,11 @@ class StepPlan:
     decay: torch.Tensor | None = None          # [num_reqs] fp32
     query_weights: torch.Tensor | None = None  # [num_tokens] fp32, one per scheduled token
     score_scale: torch.Tensor | None = None    # [num_reqs] fp32
-    # Prefix caching: this step's orders by row (worker.prefix_records.PrefixPlan), None without any.
+    # Prefix caching: this step's orders by row (worker.prefix_records.PrefixPlan), None without
+    # any: those of the KV-cache group whose layers run this plan (``for_group``).
     prefix: Any = None
+    # Every H2O group's orders, {KV-cache group id: PrefixPlan}: each group has blocks of its own.
+    group_prefixes: Mapping[int, Any] = dataclasses.field(default_factory=dict)
     # The request of each row, and the requests whose KV cache is gone or rebuilt since the
     # last step (finished, preempted, resumed): what state kept across steps is keyed by
     # (worker.cpu.deferred). Empty when the plan is built without them (unit tests).
@@ -55,6 +58,12 @@ class StepPlan:
     # which of its queries exist is known only at the row's next step, and the device keeps
     # them until then (docs/semantics.md, "Speculative decoding").
     draft_lens: torch.Tensor | None = None
+
+    def for_group(self, group_id: int) -> "StepPlan":
+        """This plan as the layers of KV-cache group ``group_id`` run it: with that group's
+        prefix-cache orders."""
+        prefix = self.group_prefixes.get(group_id)
+        return self if prefix is self.prefix else dataclasses.replace(self, prefix=prefix)
 
     @property
     def weighted(self) -> bool:
@@ -149,19 +158,20 @@ def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
 def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: torch.Tensor,
                prompt_lens: torch.Tensor, query_lens: torch.Tensor,
                extra_args_of: Callable[[str], Mapping[str, Any] | None],
-               live_request_ids: Iterable[str], orders: Any = None,
+               live_request_ids: Iterable[str], orders: Mapping[int, Any] | None = None,
                void_ids: Iterable[str] = (), draft_lens: torch.Tensor | None = None) -> StepPlan:
     """The plan of a batch whose row i is request ``req_ids[i]``; each request's budget is
     resolved the first time it is seen (``extra_args_of`` gives its overrides). ``orders``:
-    the step's ``PrefixOrders`` from the scheduler (prefix caching), or None. ``void_ids``,
-    ``draft_lens``: ``StepPlan``'s."""
+    the step's ``PrefixOrders`` from the scheduler by KV-cache group (prefix caching), or
+    None. ``void_ids``, ``draft_lens``: ``StepPlan``'s."""
     rows = [budgets.resolve(r, int(prompt_lens[i]), extra_args_of(r)) for i, r in enumerate(req_ids)]
     live = list(live_request_ids)
     if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
         budgets.retain(live)
     plan = make_step_plan(num_computed, query_lens, prompt_lens, rows, draft_lens)
-    return dataclasses.replace(plan, prefix=prefix_plan(orders, req_ids), req_ids=tuple(req_ids),
-                               void_ids=frozenset(void_ids))
+    prefixes = {group: prefix_plan(o, req_ids) for group, o in (orders or {}).items()}
+    return dataclasses.replace(plan, group_prefixes={g: p for g, p in prefixes.items() if p is not None},
+                               req_ids=tuple(req_ids), void_ids=frozenset(void_ids))
 
 
 def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
@@ -182,7 +192,8 @@ def kv_slot_mapping(plan: StepPlan, block_table: torch.Tensor, num_tokens: int,
 def rows_to_truncate(plan: StepPlan, block_size: int) -> list[tuple[int, int, list[int] | None]]:
     """(row, blocks kept, its fresh blocks or None) of each compacted row: the block-table
     entries past its new KV length go, as the scheduler's ``H2OManager.remove_skipped_blocks``
-    frees them at the next schedule; a row that compacted into fresh blocks becomes them."""
+    frees them at the next schedule; a row that compacted into fresh blocks becomes them
+    (``plan``: one group's, ``StepPlan.for_group``)."""
     fresh = plan.prefix.fresh if plan.prefix is not None else {}
     return [(row, -(-int(plan.kv_lens_after[row]) // block_size), fresh.get(row))
             for row in plan.due.nonzero().flatten().tolist()]

@@ -35,19 +35,19 @@ class RunnerState:
     budgets: RequestBudgets
     #: (KV-cache group id, block size) of each H2O KV-cache group of the runner.
     groups: tuple[tuple[int, int], ...]
-    #: This step's prefix-cache orders (the scheduler's), None without any.
-    orders: PrefixOrders | None = None
+    #: This step's prefix-cache orders (the scheduler's), by KV-cache group; None without any.
+    orders: Mapping[int, PrefixOrders] | None = None
     #: Requests whose KV cache is gone or rebuilt as of this step (``StepPlan.void_ids``).
     void_ids: frozenset[str] = frozenset()
-    #: request -> (group id, fresh blocks): rows that compacted into fresh blocks this step and
+    #: (request, group id) -> fresh blocks: rows that compacted into fresh blocks this step and
     #: become them at the next (not earlier: on the CPU the block table is the tensor this
     #: step's kernels still read).
-    rewrites: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    rewrites: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     #: request -> its speculative draft tokens this step (the scheduler's; empty without any).
     drafts: Mapping[str, int] = field(default_factory=dict)
 
-    def begin_step(self, orders: PrefixOrders | None, void_ids: Iterable[str],
-                   drafts: Mapping[str, int] | None = None) -> dict[str, tuple[int, list[int]]]:
+    def begin_step(self, orders: Mapping[int, PrefixOrders] | None, void_ids: Iterable[str],
+                   drafts: Mapping[str, int] | None = None) -> dict[tuple[str, int], list[int]]:
         """Take this step's scheduler inputs; returns the rewrites due before vLLM appends the
         step's new blocks (last step's, once)."""
         due, self.rewrites = self.rewrites, {}
@@ -67,7 +67,7 @@ class RunnerState:
         every H2O group; a row that compacts into fresh blocks is kept for the next step's
         ``begin_step``."""
         for group_id, block_size in self.groups:
-            for row, keep, fresh in rows_to_truncate(plan, block_size):
+            for row, keep, fresh in rows_to_truncate(plan.for_group(group_id), block_size):
                 if fresh is not None:
-                    self.rewrites[plan.req_ids[row]] = (group_id, fresh)
+                    self.rewrites[plan.req_ids[row], group_id] = fresh
                 yield group_id, row, keep, fresh

@@ -120,9 +120,9 @@ def worker_block_ids(runner, request_id: str, group: int = 0) -> list[int]:
     block-table row has as many; V2: its slot's block-table row, or the fresh blocks it
     becomes at the next step (``RunnerState.rewrites``, ``vllm_hooks.runner_v2._rewrite_row``)."""
     if hasattr(runner, "req_states"):  # Model Runner V2
-        pending = runner.h2o_state.rewrites.get(request_id)
+        pending = runner.h2o_state.rewrites.get((request_id, group))
         if pending is not None:
-            return list(pending[1])
+            return list(pending)
         slot = runner.req_states.req_id_to_index[request_id]
         tables = runner.block_tables
         return tables.block_tables[group].gpu[slot, :int(tables.num_blocks.np[group, slot])].tolist()
@@ -135,12 +135,18 @@ def worker_block_ids(runner, request_id: str, group: int = 0) -> list[int]:
     return held
 
 
-def h2o_group(scheduler):
-    """(index, manager) of the scheduler's one H2O KV-cache group (a hybrid model's others
-    are vLLM's sliding-window groups)."""
+def h2o_groups(scheduler) -> list:
+    """[(index, manager)] of the scheduler's H2O KV-cache groups: one for most models; a hybrid
+    model gets one per sliding-window group's worth of full-attention layers (vLLM groups
+    layers in equal numbers), beside vLLM's sliding-window groups."""
     from h2o_vllm.scheduler.manager import H2OManager
-    (group, manager), = [(i, m) for i, m in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers)
-                         if isinstance(m, H2OManager)]
+    return [(i, m) for i, m in enumerate(scheduler.kv_cache_manager.coordinator.single_type_managers)
+            if isinstance(m, H2OManager)]
+
+
+def h2o_group(scheduler):
+    """(index, manager) of a model's one H2O KV-cache group."""
+    (group, manager), = h2o_groups(scheduler)
     return group, manager
 
 
@@ -151,7 +157,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
     nothing). The schedule hook has already cut each list to what its last scheduled step's
     compaction leaves (``cut_scheduled``). Under async scheduling that step is still in flight
     for the scheduler (its tokens counted, its output not processed), but the in-process
-    worker has run it: the lists still agree. A hybrid model's H2O group is checked (its
+    worker has run it: the lists still agree. Every H2O group of a hybrid model is checked (its
     sliding-window groups are vLLM's). With speculative decoding (``draft_tokens`` per step) a
     request may also hold the blocks its last step's rejected drafts were written to, as in
     stock vLLM: up to cdiv(live length + draft_tokens, block)."""
@@ -160,7 +166,8 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
     from h2o_vllm.config import H2OConfig
     from h2o_vllm.policy import kv_len_after
     scheduler, runner = scheduler_of(llm), model_runner_of(llm)
-    group, manager = h2o_group(scheduler)
+    groups = h2o_groups(scheduler)
+    assert groups, "no H2O KV-cache group"
     evicted = []
     for request in scheduler.running:
         rid = request.request_id
@@ -168,9 +175,10 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
             {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items()})
         budget = config.budget(request.num_prompt_tokens, block_size)
         kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
-        held = [b.block_id for b in manager.req_to_blocks[rid]]
-        assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + draft_tokens, block_size)
-        assert held == worker_block_ids(runner, rid, group)
+        for group, manager in groups:
+            held = [b.block_id for b in manager.req_to_blocks[rid]]
+            assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + draft_tokens, block_size)
+            assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted
 

@@ -107,7 +107,7 @@ class Engine:
         self.copies = m.take_pending_cow_copies()
         output = SimpleNamespace(num_scheduled_tokens=dict(tokens), scheduled_new_reqs=new,
                                  scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
-        orders = prefix_orders([self.m], output, self.requests)
+        orders = prefix_orders(self.m, output, self.requests)
         sched_step.cut_scheduled([self.m], output, self.requests)
         return orders
 
@@ -480,7 +480,7 @@ def test_resumed_request_plans_again():
     c.num_computed_tokens = 30
     output = SimpleNamespace(num_scheduled_tokens={"c": 18}, scheduled_new_reqs=[],
                              scheduled_cached_reqs=SimpleNamespace(resumed_req_ids={"c"}))
-    orders = prefix_orders([e.m], output, e.requests)
+    orders = prefix_orders(e.m, output, e.requests)
     assert [(rid, boundary) for rid, boundary, _ in orders.record_writes] == [("c", 28)]
     assert len(orders.score_inits) == 3
 
