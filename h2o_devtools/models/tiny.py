@@ -89,6 +89,7 @@ def build_tiny_model(
     init_std: float = 0.2,
     seed: int = 0,
     max_position_embeddings: int = 4096,
+    layer_types: list[str] | None = None,
 ) -> Path:
     """Save a tiny random causal LM of ``family`` (``TINY_FAMILIES``; fp32) plus a locally
     trained byte-level BPE.
@@ -96,7 +97,9 @@ def build_tiny_model(
     `init_std` is the normal std of every linear and embedding weight. At 0.2 (10x Llama's 0.02)
     attention logits have std ~5, so each query attends to a few keys: heavy hitters are
     well separated and H2O's keep/evict choices are not decided by float noise. `head_dim` must be
-    one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...). Same seed, same bytes.
+    one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, ...). `layer_types` replaces a
+    hybrid family's pattern ("full_attention" / "sliding_attention" per layer). Same seed, same
+    bytes.
     """
     import torch
     import transformers
@@ -109,6 +112,8 @@ def build_tiny_model(
                             num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
                             vocab_size=vocab_size, init_std=init_std,
                             max_position_embeddings=max_position_embeddings, eos_id=eos_id)
+    if layer_types is not None:
+        kwargs["layer_types"] = list(layer_types)
     config = getattr(transformers, config_class)(**{**kwargs, **own})
     config.dtype = torch.float32
     # fork_rng: seeding must not disturb the caller's global RNG stream.

@@ -148,10 +148,10 @@ def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> 
     if method not in SPECULATORS:
         raise ValueError(
             f"speculative decoding with method {method!r} ({flag}) cannot be combined with H2O KV "
-            "eviction yet: its drafter runs layers of its own whose KV cache would share the "
-            "target's blocks, which H2O compacts. n-gram drafts need no KV cache: use "
+            "eviction yet: H2O is shown exact with n-gram and draft-model speculators only. Use "
             '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, '
-            f'"prompt_lookup_max": 4}}\', or drop {flag}, {_OFF}')
+            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "<a smaller model '
+            f'with the same tokenizer>", "num_speculative_tokens": 3}}\', or drop {flag}, {_OFF}')
     from h2o_vllm.worker.cpu.deferred import MAX_PENDING  # a row's waiting queries, the known token's too
     if num_tokens is not None and num_tokens + 1 > MAX_PENDING:
         raise ValueError(

@@ -7,6 +7,8 @@ prompt lengths, a block table per KV-cache group).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
@@ -43,10 +45,24 @@ def _build_attention_metadata_wrapper(original):
         plan = state.plan(_batch_rows(self, kwargs["num_reqs"] if "num_reqs" in kwargs else args[1],
                                       scheduled))
         with building(h2o_builders(self.attn_groups), plan):
-            result = original(self, *args, **kwargs)
+            attn_metadata, drafter_cm = original(self, *args, **kwargs)
         finish_step(state, plan, lambda *row: _truncate_row(self, *row))
-        return result
+        return attn_metadata, _drafters_own_group(self, drafter_cm, kwargs.get("slot_mappings"))
     return _build_attention_metadata
+
+
+def _drafters_own_group(runner, cm, slot_mappings):
+    """The metadata a draft model proposes with, on its own KV-cache group's block table and
+    slot mapping. vLLM 0.32 hands it group 0's (it expects a draft model's layers to share the
+    target's group; only the proposers it lists get their own): with H2O the drafter's layers
+    are a group of their own, and group 0's are H2O's, compacted."""
+    group = getattr(getattr(runner, "drafter", None), "kv_cache_gid", -1)
+    if cm is None or group <= 0 or not slot_mappings:
+        return cm
+    own = copy.copy(cm)
+    own.block_table_tensor = runner.input_batch.block_table[group].get_device_tensor(cm.num_reqs)
+    own.slot_mapping = slot_mappings[group][:cm.num_actual_tokens]
+    return own
 
 
 def _batch_rows(runner, num_reqs: int, scheduled: dict[str, int]):

@@ -159,8 +159,9 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
     for the scheduler (its tokens counted, its output not processed), but the in-process
     worker has run it: the lists still agree. Every H2O group of a hybrid model is checked (its
     sliding-window groups are vLLM's). With speculative decoding (``draft_tokens`` per step) a
-    request may also hold the blocks its last step's rejected drafts were written to, as in
-    stock vLLM: up to cdiv(live length + draft_tokens, block)."""
+    request may also hold the blocks its last step's rejected drafts were written to, and
+    those vLLM reserves ahead for a draft model's drafts in every group, as in stock vLLM: up to
+    cdiv(live length + draft_tokens + lookahead, block)."""
     from vllm.utils.math_utils import cdiv
 
     from h2o_vllm.config import H2OConfig
@@ -168,6 +169,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
     scheduler, runner = scheduler_of(llm), model_runner_of(llm)
     groups = h2o_groups(scheduler)
     assert groups, "no H2O KV-cache group"
+    slack = draft_tokens + scheduler.num_lookahead_tokens
     evicted = []
     for request in scheduler.running:
         rid = request.request_id
@@ -177,7 +179,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
         kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
         for group, manager in groups:
             held = [b.block_id for b in manager.req_to_blocks[rid]]
-            assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + draft_tokens, block_size)
+            assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + slack, block_size)
             assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted

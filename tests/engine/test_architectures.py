@@ -22,6 +22,11 @@ from h2o_devtools import models
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 FAMILIES = [family for family in models.TINY_FAMILIES if family != "llama"]
+# A hybrid model with more full-attention layers than sliding-window ones, the first one full:
+# vLLM groups layers in equal numbers, so its two full layers make two H2O KV-cache groups,
+# each with its own blocks, prefix-cache records and fresh blocks.
+TWO_H2O_GROUPS = "gemma3-two-h2o-groups"
+TWO_GROUP_LAYERS = ["full_attention", "full_attention", "sliding_attention"]
 CASES = {
     "paper": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0},
     "recommended": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0,
@@ -34,19 +39,22 @@ ENGINE = dict(in_process=True, block_size=BLOCK, max_model_len=256, max_num_batc
               max_num_seqs=8, num_gpu_blocks_override=20, additional_config={"h2o": {}})
 # A hybrid model's sliding-window group takes its own blocks from the same pool: a pool as
 # tight as the others' serialises the requests and evicts every prefix before it is reused.
-POOL = {"gemma3": 40, "gpt_oss": 40}
+POOL = {"gemma3": 40, "gpt_oss": 40, TWO_H2O_GROUPS: 60}
 CUDA_SWITCH = {SWITCH: "1", V2_ENV: "0"}
 IMPLS = {"cpu": "H2OCPUImpl", "cuda": "H2OTritonImpl", "cuda-v2": "H2OTritonImpl"}
 # The hybrid models' CUDA path runs on Model Runner V2 (CUDA's default runner; on the CPU vLLM
 # runs V2 only with Triton, so only the switch reaches it), with its own per-group block
 # tables; their V1 runner hooks are the CPU path's.
-V2_FAMILIES = ["gemma3", "gpt_oss"]
+V2_FAMILIES = ["gemma3", "gpt_oss", TWO_H2O_GROUPS]
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict:
-    return {family: models.build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, num_layers=2)
+    dirs = {family: models.build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, num_layers=2)
             for family in FAMILIES}
+    dirs[TWO_H2O_GROUPS] = models.build_tiny_model(tmp_path_factory.mktemp(TWO_H2O_GROUPS), "gemma3",
+                                                   num_layers=3, layer_types=TWO_GROUP_LAYERS)
+    return dirs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,6 +98,9 @@ def serve(model_dir, impl: str, family: str) -> list[list[int]]:
     with vllm_engine(model_dir, **{**ENGINE, "num_gpu_blocks_override": pool}) as llm:
         layers = model_runner_of(llm).compilation_config.static_forward_context.values()
         assert {type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")} == {impl}
+        managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
+        if family == TWO_H2O_GROUPS:
+            assert [type(m).__name__ for m in managers].count("H2OManager") == 2
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
         evicted, cached = [], {}
@@ -130,8 +141,8 @@ def check(family: str, outputs: list[list[int]], want_by_case: dict) -> None:
         assert outputs[i * n:(i + 1) * n] == want, f"{family}, {name}: the engine and the oracle differ"
 
 
-@pytest.mark.parametrize(("family", "path"), [(f, "cpu") for f in FAMILIES]
-                         + [(f, "cuda-v2" if f in V2_FAMILIES else "cuda") for f in FAMILIES])
+@pytest.mark.parametrize(("family", "path"), [(f, "cpu") for f in FAMILIES + [TWO_H2O_GROUPS]]
+                         + [(f, "cuda-v2" if f in V2_FAMILIES else "cuda") for f in FAMILIES + [TWO_H2O_GROUPS]])
 def test_family_equals_oracle(family, path, expectations, engine_futures):
     result = engine_futures[path, family].result()[family]
     if isinstance(result, str):

@@ -1,10 +1,14 @@
-"""Speculative decoding (n-gram) with H2O: greedy H2O with a speculator generates exactly what
-the dense oracle (H2O without one) generates, with drafts accepted and rejected along the way
-(docs/semantics.md, "Speculative decoding"); block lists agree after every step, pools drain,
-and preemption, aborts and prefix-cache hits keep working.
+"""Speculative decoding (n-gram, draft model) with H2O: greedy H2O with a speculator generates
+exactly what the dense oracle (H2O without one) generates, with drafts accepted and rejected
+along the way (docs/semantics.md, "Speculative decoding"); block lists agree after every step
+(in every H2O KV-cache group: a draft model's layers stay whole in groups of their own, and
+vLLM then splits the target's layers into several), pools drain, and preemption, aborts and
+prefix-cache hits keep working.
 
 Real text on SmolLM2 (its induction heads copy a repeated passage, so n-gram drafts are
-accepted), and the tiny random Llama (its drafts are rejected) for the memory checks.
+accepted; as its own draft model, with a whole KV cache, it drafts what dense attention would
+generate, so drafts are rejected exactly where eviction changed a token), and the tiny random
+Llama for the memory checks.
 
 Every engine with a speculator runs in a fresh process: one in this process would register
 vLLM's speculative-decoding Triton kernels here, and vLLM's kernel dispatcher then fails the
@@ -55,17 +59,27 @@ def oracle_outputs(smollm2_dir, prompts):
     return outputs
 
 
-def _smollm2_rounds(model_dir, prompts):
+def _smollm2_rounds(model_dir, prompts, speculative_config=NGRAM):
     """In a fresh process (see the module note): the matrix twice on one engine, the second
-    round admitted on the first's prefix-cache hits."""
-    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=NGRAM,
+    round admitted on the first's prefix-cache hits; and the engine's KV-cache groups."""
+    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=speculative_config,
                      disable_log_stats=False, additional_config={"h2o": {}}) as llm:
-        return _run_matrix(llm, prompts), _run_matrix(llm, prompts)
+        managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
+        groups = [type(m).__name__ for m in managers]
+        return _run_matrix(llm, prompts), _run_matrix(llm, prompts), groups
 
 
 @pytest.fixture(scope="module")
 def smollm2_rounds(smollm2_dir, prompts, oracle_outputs):
     return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts)
+
+
+@pytest.fixture(scope="module")
+def draft_model_rounds(smollm2_dir, prompts, oracle_outputs):
+    # SmolLM2 cut to its first layers drafts nothing right (4 or 12 layers: under 1% accepted,
+    # stock vLLM alike); as its own drafter it is right wherever H2O did not change a token.
+    draft = {"method": "draft_model", "model": str(smollm2_dir), "num_speculative_tokens": DRAFTS}
+    return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, draft)
 
 
 def _run_matrix(llm, prompts):
@@ -87,7 +101,7 @@ def _run_matrix(llm, prompts):
 
 
 def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_rounds, oracle_outputs):
-    (outputs, drafts, accepted), _ = smollm2_rounds
+    (outputs, drafts, accepted), _, _ = smollm2_rounds
     print(f"n-gram with H2O: {accepted}/{drafts} draft tokens accepted")
     assert accepted > 0 and accepted < drafts, "no draft accepted (or none rejected): the test proves little"
     for name in BUDGETS:
@@ -98,10 +112,23 @@ def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_rounds, 
 
 def test_ngram_h2o_after_prefix_cache_hits_equals_the_oracle(smollm2_rounds, oracle_outputs):
     """The same prompts again: admitted on prefix-cache hits, then decoded with drafts."""
-    _, (outputs, _, accepted) = smollm2_rounds
+    _, (outputs, _, accepted), _ = smollm2_rounds
     assert accepted > 0
     for name in BUDGETS:
         assert outputs[name] == oracle_outputs[name], f"{name}: after a prefix-cache hit"
+
+
+def test_draft_model_h2o_equals_the_dense_oracle_with_drafts_accepted(draft_model_rounds, oracle_outputs):
+    """SmolLM2 drafts for SmolLM2: the drafter's KV cache stays whole (a KV-cache group of
+    vLLM's own), and the budget matrix, both rounds (the second on prefix-cache hits), equals
+    the oracle token for token."""
+    first, second, groups = draft_model_rounds
+    assert sorted(groups) == ["FullAttentionManager", "H2OManager"], groups
+    for outputs, drafts, accepted in (first, second):
+        print(f"draft model with H2O: {accepted}/{drafts} draft tokens accepted")
+        assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
+        for name in BUDGETS:
+            assert outputs[name] == oracle_outputs[name], f"{name}: H2O with a draft model left the oracle"
 
 
 # --------------------------------------------------------------------------- memory, tiny model
@@ -110,15 +137,30 @@ TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
 TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _tiny_ngram(model_dir):
+def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM):
     return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48,
-                       max_model_len=512, speculative_config=TINY_NGRAM, additional_config={"h2o": TINY_H2O})
+                       max_model_len=512, speculative_config=speculative_config,
+                       additional_config={"h2o": TINY_H2O})
 
 
-def _preempted_run(model_dir):
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory):
+    """A one-layer tiny Llama with the tiny model's tokenizer: a draft model."""
+    from h2o_devtools import models
+    return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_layers=1)
+
+
+@pytest.fixture(params=["ngram", "draft_model"])
+def tiny_speculator(request, tiny_draft_dir):
+    if request.param == "ngram":
+        return TINY_NGRAM
+    return {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}
+
+
+def _preempted_run(model_dir, speculative_config):
     """In a fresh process: the admission headroom off (the process is this test's alone), so
     the pool overflows and vLLM preempts."""
-    with _tiny_ngram(model_dir) as llm:
+    with _tiny_ngram(model_dir, speculative_config) as llm:
         from h2o_vllm.scheduler.manager import H2OManager  # once the plugin has loaded
         H2OManager.admission_headroom = lambda self, *args: 0
         scheduler = scheduler_of(llm)
@@ -136,17 +178,18 @@ def _preempted_run(model_dir):
                 scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
-def test_preempted_requests_with_drafts_complete_without_leaking(tiny_llama_dir):
+def test_preempted_requests_with_drafts_complete_without_leaking(tiny_llama_dir, tiny_speculator):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, tiny_llama_dir)
+    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, tiny_llama_dir,
+                                                                   tiny_speculator)
     assert preempted, "the pool was large enough: no preemption happened"
     assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
     assert free_after == free_before
 
 
-def _aborted_run(model_dir):
-    with _tiny_ngram(model_dir) as llm:
+def _aborted_run(model_dir, speculative_config):
+    with _tiny_ngram(model_dir, speculative_config) as llm:
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
         prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
@@ -154,7 +197,7 @@ def _aborted_run(model_dir):
         return outputs, free_before, pool.get_num_free_blocks()
 
 
-def test_aborted_requests_with_drafts_return_their_blocks(tiny_llama_dir):
-    outputs, free_before, free_after = in_fresh_process(_aborted_run, tiny_llama_dir)
+def test_aborted_requests_with_drafts_return_their_blocks(tiny_llama_dir, tiny_speculator):
+    outputs, free_before, free_after = in_fresh_process(_aborted_run, tiny_llama_dir, tiny_speculator)
     assert sorted(outputs) == ["0", "2"]
     assert free_after == free_before

@@ -58,18 +58,18 @@ def test_plain_engine_args_pass():
 @pytest.mark.parametrize("kwargs", [
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}},
     {"spec_method": "ngram", "spec_tokens": 3},
+    {"speculative_config": {"model": "draft", "num_speculative_tokens": 2}},
+    {"speculative_config": {"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}},
+    {"spec_model": "draft"},
 ])
-def test_ngram_speculation_passes(kwargs):
+def test_ngram_and_draft_model_speculation_pass(kwargs):
     conflicts.check_engine_args(_args(**kwargs), H2O)
 
 
 @pytest.mark.parametrize("kwargs, flag, words", [
     ({"speculative_config": {"method": "eagle3", "model": "m", "num_speculative_tokens": 2}},
      "--speculative-config", "'eagle3'"),
-    ({"speculative_config": {"model": "draft", "num_speculative_tokens": 2}}, "--speculative-config",
-     "'draft_model'"),
     ({"spec_method": "mtp"}, "--spec-method", "'mtp'"),
-    ({"spec_model": "draft"}, "--spec-model", "'draft_model'"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 16}}, "--speculative-config",
      "num_speculative_tokens=16"),
 ])
@@ -77,7 +77,8 @@ def test_speculators_h2o_cannot_run_exactly_are_refused_naming_the_way_out(kwarg
     message = _refusal(conflicts.check_engine_args, _args(**kwargs), H2O)
     assert flag in message and words in message and "turn H2O KV eviction off" in message
     if "num_speculative_tokens" not in words:
-        assert '"method": "ngram"' in message and f"drop {flag}" in message
+        assert '"method": "ngram"' in message and '"method": "draft_model"' in message
+        assert f"drop {flag}" in message
 
 
 def test_kv_transfer_connector_refused():
@@ -99,8 +100,9 @@ def test_plain_config_passes():
     conflicts.check_vllm_config(_vllm_config(), H2O)
 
 
-def test_ngram_speculation_config_passes():
-    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_ngram_and_draft_model_speculation_configs_pass(method):
+    spec = SimpleNamespace(method=method, num_speculative_tokens=3)
     conflicts.check_vllm_config(_vllm_config(speculative_config=spec), H2O)
 
 
