@@ -118,7 +118,7 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 ENGINE_PYTEST=("${PYTEST[@]}") LOAD_ARGS=()
 if [ $MODE = bundle ]; then
   # The bundle's engine settings for every LLM the tests build; no CUDA-graph engine (no _C).
-  ENGINE_PYTEST+=(-p gpu_bundle.pytest_bundle -k "not piecewise and not ngram and not v2-") LOAD_ARGS=(--bundle-settings)
+  ENGINE_PYTEST+=(-p gpu_bundle.pytest_bundle -k "not piecewise and not speculative and not v2-") LOAD_ARGS=(--bundle-settings)
 fi
 BENCH=("$PY" -m h2o_vllm.frontend.cli bench throughput --model "$MODELS/llama-8b-shape"
        --load-format dummy --dtype bfloat16 --dataset-name random

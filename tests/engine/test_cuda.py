@@ -329,27 +329,31 @@ CUDA_PATH_TOKENS = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-def _cuda_path_ngram_run(model_dir, prompts):
+def _cuda_path_speculative_run(model_dir, prompts, speculative_config):
     """In a fresh process: an engine with a speculator registers vLLM's speculative Triton
     kernels in its process, after which vLLM's dispatcher fails the next engine started there
     (tests/engine/test_speculative.py)."""
     params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
               for _ in prompts]
     with vllm_engine(model_dir, in_process=True, block_size=16, max_model_len=256,
-                     speculative_config=NGRAM, disable_log_stats=False, additional_config={"h2o": {}},
+                     speculative_config=speculative_config, disable_log_stats=False,
+                     additional_config={"h2o": {}},
                      **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: "0"})) as llm:
         evicted = []
         outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
                             on_step=lambda: evicted.extend(
-                                check_block_lists(llm, {}, 16, NGRAM["num_speculative_tokens"])))
+                                check_block_lists(llm, {}, 16, speculative_config["num_speculative_tokens"])))
         return outputs, spec_decode_counts(llm), max(evicted)
 
 
-def test_ngram_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir):
+@pytest.mark.parametrize("speculator", ["ngram", "draft_model"])
+def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir, speculator):
     """``H2OTritonAttentionBackend`` (V1 runner): the fused kernel attends a verification row
     without scoring it, and the accepted queries are scored at the row's next step
-    (``worker/cuda/drafts.py``). Without a GPU, inside vLLM's CPU engine under the Triton
-    interpreter; SmolLM2's first four layers copy the repeated passages."""
+    (``worker/cuda/drafts.py``); a draft model's layers (the same four-layer model drafting
+    for itself) run vLLM's Triton attention over their whole cache. Without a GPU, inside
+    vLLM's CPU engine under the Triton interpreter; SmolLM2's first four layers copy the
+    repeated passages."""
     from transformers import AutoModelForCausalLM
 
     from h2o_vllm.oracle import H2OOracle
@@ -358,8 +362,11 @@ def test_ngram_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir):
     expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
                 for name, b in CUDA_PATH_BUDGETS.items()}
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
+    spec = NGRAM if speculator == "ngram" else {
+        "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
     outputs, (drafts, accepted), evicted = in_fresh_process(
-        _cuda_path_ngram_run, smollm2_4_layers_dir, prompts, env={**DEVICE.get("env", {}), V2_ENV: "0"})
+        _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec,
+        env={**DEVICE.get("env", {}), V2_ENV: "0"})
     assert 0 < accepted < drafts and evicted > 0
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):

@@ -138,7 +138,10 @@ TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_looku
 
 
 def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM):
-    return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48,
+    # A pool of 48 blocks per KV-cache group: a draft model's one layer beside the target's
+    # four makes five groups (four of them H2O's), which share the pool.
+    groups = 5 if speculative_config["method"] == "draft_model" else 1
+    return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48 * groups,
                        max_model_len=512, speculative_config=speculative_config,
                        additional_config={"h2o": TINY_H2O})
 

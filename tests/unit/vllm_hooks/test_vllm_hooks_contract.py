@@ -468,6 +468,30 @@ def test_speculative_steps_are_read_from_vllms_step_output_and_requests():
     assert (request.num_tokens, request.num_output_placeholders, request.num_tokens_with_spec) == (3, 0, 5)
 
 
+def test_a_draft_model_gets_its_own_groups_metadata_from_the_v1_hook():
+    """What ``vllm_hooks.runner_v1._drafters_own_group`` and ``runner.drafter_layer_names``
+    lean on: vLLM 0.32's proposer keeps its layers' names and KV-cache group on itself, hands a
+    draft model (not among the proposers it lists) group 0's metadata, and the common metadata
+    carries the block table and slot mapping the hook replaces. When vLLM gives every proposer
+    its own group's metadata, the hook is no longer needed: this test says so."""
+    import inspect
+
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    source = inspect.getsource(SpecDecodeBaseProposer)
+    assert "self._draft_attn_layer_names = {" in source  # set when the drafter loads
+    assert "self.kv_cache_gid" in inspect.getsource(SpecDecodeBaseProposer.__init__)
+    build = inspect.getsource(GPUModelRunner._build_attention_metadata)
+    assert "self.drafter.kv_cache_gid == kv_cache_gid" in build, "vLLM changed how a drafter's group is chosen"
+    listed = build[build.index("isinstance(\n"):build.index("self.drafter.kv_cache_gid == kv_cache_gid")]
+    assert "DraftModelProposer" not in listed, "vLLM now gives a draft model its own group: drop the hook"
+    assert issubclass(DraftModelProposer, SpecDecodeBaseProposer)
+    fields = _fields("vllm.v1.attention.backend:CommonAttentionMetadata")
+    assert {"block_table_tensor", "slot_mapping", "num_reqs", "num_actual_tokens"} <= set(fields)
+    assert "slot_mappings" in inspect.signature(GPUModelRunner._build_attention_metadata).parameters
+
+
 TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
                       "torch.cuda:get_device_capability",
                       "vllm.platforms.cpu:CpuPlatform.check_and_update_config"}
