@@ -33,8 +33,15 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     and settings vLLM derived itself (a speculator checkpoint sets ``speculative_config``)."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
-        check_speculative(getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None),
-                          "--speculative-config")
+        method = getattr(spec, "method", None)
+        check_speculative(method, getattr(spec, "num_speculative_tokens", None), "--speculative-config")
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        if method in WORKER_DRAFTERS and getattr(scheduler, "async_scheduling", False):
+            raise ValueError(
+                f"async scheduling with a {method} speculator (--speculative-config) cannot be "
+                "combined with H2O KV eviction: the scheduler would place the next step's "
+                "compaction before the drafts in flight are verified. Pass --no-async-scheduling, "
+                f"use n-gram drafts, {_OFF}")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         _refuse_kv_transfer()
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -132,15 +139,45 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 SPECULATORS = ("ngram", "draft_model")
 def _check_speculative_args(args: Any) -> None:
     """``--speculative-config`` and its shorthands, as given (vLLM resolves them later)."""
+    for method, num_tokens, flag in _speculators(args):
+        check_speculative(method, num_tokens, flag)
+        if method in WORKER_DRAFTERS and getattr(args, "async_scheduling", None):
+            raise ValueError(
+                f"--async-scheduling with a {method} speculator ({flag}) cannot be combined with H2O "
+                "KV eviction: the scheduler would place the next step's compaction before the "
+                "drafts in flight are verified. Drop --async-scheduling (H2O turns it off for this "
+                f"speculator), use n-gram drafts, drop {flag}, {_OFF}")
+
+
+def _speculators(args: Any) -> list[tuple[str | None, int | None, str]]:
+    """(method, draft tokens, flag) of each speculator the arguments ask for."""
+    found = []
     config = getattr(args, "speculative_config", None)
     if getattr(args, "spec_model", None) is not None:
-        check_speculative("draft_model", None, "--spec-model")
+        found.append(("draft_model", None, "--spec-model"))
     if getattr(args, "spec_method", None) is not None:
-        check_speculative(args.spec_method, getattr(args, "spec_tokens", None), "--spec-method")
+        found.append((args.spec_method, getattr(args, "spec_tokens", None), "--spec-method"))
     if isinstance(config, dict) and config:
         # vLLM infers a draft model (or EAGLE, MTP) from "model" when "method" is absent.
         method = config.get("method") or ("draft_model" if config.get("model") else None)
-        check_speculative(method, config.get("num_speculative_tokens"), "--speculative-config")
+        found.append((method, config.get("num_speculative_tokens"), "--speculative-config"))
+    return found
+
+
+#: Speculators whose drafts the worker makes after the step: under async scheduling the
+#: scheduler places the next step, and with it the cadence's next compaction, before this
+#: step's drafts are verified, so H2O runs them with async scheduling off.
+WORKER_DRAFTERS = ("draft_model",)
+
+
+def settle_async_scheduling(args: Any) -> bool:
+    """Turn vLLM's async scheduling off where it defaults on with a drafter H2O cannot run it
+    with (an explicit ``--async-scheduling`` is refused by ``check_engine_args``); True if it did."""
+    if getattr(args, "async_scheduling", None) is None and any(
+            method in WORKER_DRAFTERS for method, _, _ in _speculators(args)):
+        args.async_scheduling = False
+        return True
+    return False
 
 
 def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> None:

@@ -179,7 +179,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
         kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
         for group, manager in groups:
             held = [b.block_id for b in manager.req_to_blocks[rid]]
-            assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + slack, block_size)
+            assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + slack, block_size), (rid, group, kv_len, len(held))
             assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
     return evicted

@@ -100,6 +100,29 @@ def test_plain_config_passes():
     conflicts.check_vllm_config(_vllm_config(), H2O)
 
 
+DRAFT = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}
+
+
+def test_a_draft_model_turns_async_scheduling_off_where_vllm_would_default_it_on():
+    """The drafts of a draft model are made by the worker after the step: under async
+    scheduling the next step's compaction would be placed before they are verified."""
+    args = _args(speculative_config=DRAFT)
+    assert args.async_scheduling is None and conflicts.settle_async_scheduling(args)
+    assert args.async_scheduling is False
+    for kept in (_args(speculative_config=DRAFT, async_scheduling=False),
+                 _args(speculative_config={"method": "ngram", "num_speculative_tokens": 3}), _args()):
+        before = kept.async_scheduling
+        assert not conflicts.settle_async_scheduling(kept) and kept.async_scheduling is before
+
+
+def test_a_draft_model_with_async_scheduling_asked_for_is_refused():
+    message = _refusal(conflicts.check_engine_args, _args(speculative_config=DRAFT, async_scheduling=True), H2O)
+    assert "--async-scheduling" in message and "Drop --async-scheduling" in message
+    spec = SimpleNamespace(method="draft_model", num_speculative_tokens=3)
+    built = _vllm_config(speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=True))
+    assert "--no-async-scheduling" in _refusal(conflicts.check_vllm_config, built, H2O)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_ngram_and_draft_model_speculation_configs_pass(method):
     spec = SimpleNamespace(method=method, num_speculative_tokens=3)
