@@ -36,12 +36,8 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
         method = getattr(spec, "method", None)
         check_speculative(method, getattr(spec, "num_speculative_tokens", None), "--speculative-config")
         scheduler = getattr(vllm_config, "scheduler_config", None)
-        if method in WORKER_DRAFTERS and getattr(scheduler, "async_scheduling", False):
-            raise ValueError(
-                f"async scheduling with a {method} speculator (--speculative-config) cannot be "
-                "combined with H2O KV eviction: the scheduler would place the next step's "
-                "compaction before the drafts in flight are verified. Pass --no-async-scheduling, "
-                f"use n-gram drafts, {_OFF}")
+        _check_async_drafter(method, getattr(scheduler, "async_scheduling", False), "--speculative-config",
+                             "Pass --no-async-scheduling")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         _refuse_kv_transfer()
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -137,16 +133,22 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 #: from the token history and have no KV cache; a draft model's layers keep their KV cache
 #: whole, in KV-cache groups of their own (``scheduler.spec.h2o_specs``).
 SPECULATORS = ("ngram", "draft_model")
+
+
 def _check_speculative_args(args: Any) -> None:
     """``--speculative-config`` and its shorthands, as given (vLLM resolves them later)."""
     for method, num_tokens, flag in _speculators(args):
         check_speculative(method, num_tokens, flag)
-        if method in WORKER_DRAFTERS and getattr(args, "async_scheduling", None):
-            raise ValueError(
-                f"--async-scheduling with a {method} speculator ({flag}) cannot be combined with H2O "
-                "KV eviction: the scheduler would place the next step's compaction before the "
-                "drafts in flight are verified. Drop --async-scheduling (H2O turns it off for this "
-                f"speculator), use n-gram drafts, drop {flag}, {_OFF}")
+        _check_async_drafter(method, getattr(args, "async_scheduling", None), flag,
+                             "Drop --async-scheduling (H2O turns it off for this speculator)")
+
+
+def _check_async_drafter(method: str | None, async_scheduling: bool | None, flag: str, way_out: str) -> None:
+    if method in WORKER_DRAFTERS and async_scheduling:
+        raise ValueError(
+            f"async scheduling with a {method} speculator ({flag}) cannot be combined with H2O KV "
+            "eviction: the scheduler would place the next step's compaction before the drafts in "
+            f"flight are verified. {way_out}, use n-gram drafts, {_OFF}")
 
 
 def _speculators(args: Any) -> list[tuple[str | None, int | None, str]]:
