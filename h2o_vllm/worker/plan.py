@@ -62,6 +62,8 @@ class StepPlan:
     def for_group(self, group_id: int) -> "StepPlan":
         """This plan as the layers of KV-cache group ``group_id`` run it: with that group's
         prefix-cache orders."""
+        if not self.group_prefixes:  # no orders this step (or a plan given its prefix directly)
+            return self
         prefix = self.group_prefixes.get(group_id)
         return self if prefix is self.prefix else dataclasses.replace(self, prefix=prefix)
 
