@@ -133,28 +133,29 @@ def prefix_orders(manager: H2OManager, scheduler_output,
                   requests: Mapping[str, object]) -> PrefixOrders:
     """This step's orders of one H2O group, drained from its manager."""
     orders = PrefixOrders()
+    if manager.records is None:
+        return orders
     scheduled = scheduler_output.num_scheduled_tokens
     admitted = {r.req_id for r in scheduler_output.scheduled_new_reqs}
     admitted |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ())
-    if manager.records is not None:
-        orders.score_inits.extend(manager.step_score_inits)
-        manager.step_score_inits = []
-        for rid, num_tokens in scheduled.items():
-            request = requests[rid]
-            end = request.num_computed_tokens  # vLLM has already counted this step's tokens
-            start = end - num_tokens
-            if rid in admitted:
-                plan_records(manager, request, start)
-            for record in manager.pending_records.get(rid, ()):
-                boundary = record.num_blocks * manager.block_size
-                if start < boundary <= end:
-                    orders.record_writes.append((rid, boundary, list(record.slots)))
-                    manager.step_written.append(record)
-            fresh = manager.fresh.get(rid)
-            if fresh is not None and rid in manager.step_fresh:
-                orders.fresh_blocks[rid] = [b.block_id for b in fresh]
-        manager.step_fresh.clear()
-        manager.step_cached.clear()
+    orders.score_inits.extend(manager.step_score_inits)
+    manager.step_score_inits = []
+    for rid, num_tokens in scheduled.items():
+        request = requests[rid]
+        end = request.num_computed_tokens  # vLLM has already counted this step's tokens
+        start = end - num_tokens
+        if rid in admitted:
+            plan_records(manager, request, start)
+        for record in manager.pending_records.get(rid, ()):
+            boundary = record.num_blocks * manager.block_size
+            if start < boundary <= end:
+                orders.record_writes.append((rid, boundary, list(record.slots)))
+                manager.step_written.append(record)
+        fresh = manager.fresh.get(rid)
+        if fresh is not None and rid in manager.step_fresh:
+            orders.fresh_blocks[rid] = [b.block_id for b in fresh]
+    manager.step_fresh.clear()
+    manager.step_cached.clear()
     return orders
 
 
