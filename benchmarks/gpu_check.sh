@@ -115,7 +115,8 @@ gpu_step() {  # gpu_step NAME COMMAND...: a step; in a dry run only logged, not 
   fi
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
-ENGINE_PYTEST=("${PYTEST[@]}") LOAD_ARGS=()
+# Verbose: one line per test as it ends, so a step its cap kills still names its failures.
+ENGINE_PYTEST=("$PY" -m pytest -v -p no:cacheprovider) LOAD_ARGS=()
 if [ $MODE = bundle ]; then
   # The bundle's engine settings for every LLM the tests build; no CUDA-graph engine (no _C).
   ENGINE_PYTEST+=(-p gpu_bundle.pytest_bundle -k "not piecewise and not speculative and not v2-") LOAD_ARGS=(--bundle-settings)

@@ -130,9 +130,9 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 
 
 #: Speculators H2O runs with (docs/semantics.md, "Speculative decoding"): n-gram drafts come
-#: from the token history and have no KV cache; a draft model's layers keep their KV cache
-#: whole, in KV-cache groups of their own (``scheduler.spec.h2o_specs``).
-SPECULATORS = ("ngram", "draft_model")
+#: from the token history and have no KV cache; a draft model's and an EAGLE head's layers
+#: keep their KV cache whole, in KV-cache groups of their own (``scheduler.spec.h2o_specs``).
+SPECULATORS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 def _check_speculative_args(args: Any) -> None:
@@ -169,7 +169,7 @@ def _speculators(args: Any) -> list[tuple[str | None, int | None, str]]:
 #: Speculators whose drafts the worker makes after the step: under async scheduling the
 #: scheduler places the next step, and with it the cadence's next compaction, before this
 #: step's drafts are verified, so H2O runs them with async scheduling off.
-WORKER_DRAFTERS = ("draft_model",)
+WORKER_DRAFTERS = ("draft_model", "eagle", "eagle3")
 
 
 def settle_async_scheduling(args: Any) -> bool:
@@ -185,12 +185,22 @@ def settle_async_scheduling(args: Any) -> bool:
 def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> None:
     """Refuse a speculator H2O cannot run exactly with, naming the way out."""
     if method not in SPECULATORS:
+        why = ("H2O is shown exact with n-gram, draft-model and EAGLE / EAGLE-3 speculators only")
+        if method is not None and method.endswith("mtp"):
+            # The MTP layers would run as EAGLE heads do (a worker-side drafter, left whole),
+            # but no model with MTP layers runs on vLLM's CPU engine, where the exactness
+            # tests run: untested, so refused.
+            why = ("MTP heads are untested with H2O (no model with MTP layers runs on vLLM's CPU "
+                   "engine, where H2O's exactness tests run); n-gram, draft-model and EAGLE / "
+                   "EAGLE-3 speculators are shown exact")
         raise ValueError(
             f"speculative decoding with method {method!r} ({flag}) cannot be combined with H2O KV "
-            "eviction yet: H2O is shown exact with n-gram and draft-model speculators only. Use "
+            f"eviction yet: {why}. Use "
             '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, '
-            '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": "<a smaller model '
-            f'with the same tokenizer>", "num_speculative_tokens": 3}}\', or drop {flag}, {_OFF}')
+            '"prompt_lookup_max": 4}\', \'{"method": "eagle3", "model": "<an EAGLE-3 head for '
+            'this model>", "num_speculative_tokens": 3}\' or \'{"method": "draft_model", "model": '
+            f'"<a smaller model with the same tokenizer>", "num_speculative_tokens": 3}}\', or drop '
+            f'{flag}, {_OFF}')
     from h2o_vllm.worker.cpu.deferred import MAX_PENDING  # a row's waiting queries, the known token's too
     if num_tokens is not None and num_tokens + 1 > MAX_PENDING:
         raise ValueError(

@@ -25,7 +25,7 @@ def settle_engine_args(args: Any) -> H2OConfig | None:
         return None
     conflicts.check_engine_args(args, h2o)
     if conflicts.settle_async_scheduling(args):
-        logger.warning("async scheduling is off: H2O with a draft model verifies each step's drafts "
+        logger.warning("async scheduling is off: H2O with a draft model or EAGLE head verifies each step's drafts "
                        "before it places the next compaction (docs/semantics.md, \"Speculative "
                        "decoding\").")
     cuda_config.adjust_engine_args(args)  # CUDA path: backend; CUDA only: runner, async, graphs

@@ -26,7 +26,7 @@ def _refused(model_dir, **kwargs) -> str:
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"speculative_config": {"method": "eagle3", "model": "unused", "num_speculative_tokens": 2}},
+    ({"speculative_config": {"method": "medusa", "model": "unused", "num_speculative_tokens": 2}},
      "--speculative-config"),
     ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
      "--kv-transfer-config"),

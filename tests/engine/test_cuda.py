@@ -372,3 +372,28 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     for i, name in enumerate(CUDA_PATH_BUDGETS):
         assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
     assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
+
+
+def test_eagle_h2o_on_the_cuda_path_equals_the_oracle(tmp_path):
+    """An EAGLE-1 head on the CUDA path (V1): its layer runs vLLM's Triton attention over its
+    whole cache, the target's the fused kernel. The tiny target the head mirrors
+    (h2o_devtools.models.eagle), so drafts are accepted."""
+    from transformers import AutoModelForCausalLM
+
+    from h2o_devtools.models import eagle
+    from h2o_vllm.oracle import H2OOracle
+    target = eagle.build_mirrored_llama(tmp_path / "target")
+    head = eagle.build_eagle_head(target, tmp_path / "head")
+    prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
+                for name, b in CUDA_PATH_BUDGETS.items()}
+    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    outputs, (drafts, accepted), evicted = in_fresh_process(
+        _cuda_path_speculative_run, target, prompts, spec, env={**DEVICE.get("env", {}), V2_ENV: "0"})
+    assert 0 < accepted < drafts and evicted > 0
+    n = len(prompts)
+    for i, name in enumerate(CUDA_PATH_BUDGETS):
+        assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
+    assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)

@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram, draft model) with H2O: greedy H2O with a speculator generates
+"""Speculative decoding (n-gram, draft model, EAGLE / EAGLE-3) with H2O: greedy H2O with a speculator generates
 exactly what the dense oracle (H2O without one) generates, with drafts accepted and rejected
 along the way (docs/semantics.md, "Speculative decoding"); block lists agree after every step
 (in every H2O KV-cache group: a draft model's layers stay whole in groups of their own, and
@@ -82,21 +82,21 @@ def draft_model_rounds(smollm2_dir, prompts, oracle_outputs):
     return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, draft)
 
 
-def _run_matrix(llm, prompts):
+def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS):
     """{budget: outputs} of every budget at once (per-request budgets), block lists checked
     after every step; (drafts, accepted) of the run; the pool drains."""
     scheduler = scheduler_of(llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     drafts_before, accepted_before = spec_decode_counts(llm)
-    params = [greedy(MAX_TOKENS, extra_args=extra_args(b)) for b in BUDGETS.values() for _ in prompts]
+    params = [greedy(max_tokens, extra_args=extra_args(b)) for b in budgets.values() for _ in prompts]
     evicted = []
-    outputs = run_steps(llm, prompts * len(BUDGETS), params,
-                        on_step=lambda: evicted.extend(check_block_lists(llm, {}, BLOCK, DRAFTS)))
+    outputs = run_steps(llm, prompts * len(budgets), params,
+                        on_step=lambda: evicted.extend(check_block_lists(llm, {}, block, DRAFTS)))
     assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     drafts, accepted = spec_decode_counts(llm)
     n = len(prompts)
-    by_budget = {name: [outputs[str(i * n + j)] for j in range(n)] for i, name in enumerate(BUDGETS)}
+    by_budget = {name: [outputs[str(i * n + j)] for j in range(n)] for i, name in enumerate(budgets)}
     return by_budget, drafts - drafts_before, accepted - accepted_before
 
 
@@ -131,6 +131,86 @@ def test_draft_model_h2o_equals_the_dense_oracle_with_drafts_accepted(draft_mode
             assert outputs[name] == oracle_outputs[name], f"{name}: H2O with a draft model left the oracle"
 
 
+# --------------------------------------------------------------------------- EAGLE, tiny models
+
+EAGLE_BLOCK = 16
+EAGLE_TOKENS = 40
+EAGLE_BUDGETS = {
+    "tokens-8+8-interval8": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8},
+    "tokens-12+12-interval4": {"heavy_tokens": 12, "recent_tokens": 12, "interval": 4},
+    "ratio-0.15+0.15-interval5": {"heavy_ratio": 0.15, "recent_ratio": 0.15, "interval": 5},
+    "decay-window-sinks-tokens-8+8-interval6": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 6,
+                                                "decay": 0.9, "obs_window": 8, "sink_tokens": 2},
+    "tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    """A one-layer target an EAGLE-1 head can mirror, and that head (h2o_devtools.models.eagle):
+    it drafts what the dense target generates, so drafts are accepted wherever eviction left
+    the token unchanged."""
+    from h2o_devtools.models import eagle
+    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("eagle-target"))
+    return target, eagle.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
+
+
+@pytest.fixture(scope="module")
+def eagle_prompts():
+    return [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]  # 60-120 tokens, past every budget
+
+
+def _eagle_oracle(target, prompts) -> dict[str, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    outputs = {name: oracle(model, b, EAGLE_BLOCK).generate(prompts, EAGLE_TOKENS)
+               for name, b in EAGLE_BUDGETS.items()}
+    outputs["full"] = H2OOracle(model, None).generate(prompts, EAGLE_TOKENS)
+    return outputs
+
+
+def _eagle_matrix(target, prompts, speculative_config):
+    """In a fresh process (see the module note): the budget matrix on one engine, and its
+    KV-cache groups."""
+    with vllm_engine(target, in_process=True, block_size=EAGLE_BLOCK, max_model_len=512,
+                     speculative_config=speculative_config, disable_log_stats=False,
+                     additional_config={"h2o": {}}) as llm:
+        managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
+        return (_run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS),
+                sorted({type(m).__name__ for m in managers}))
+
+
+def test_eagle_h2o_equals_the_dense_oracle_with_drafts_accepted(eagle_pair, eagle_prompts):
+    """An EAGLE-1 head (its layer's KV cache whole, in a KV-cache group of its own) over the
+    budget matrix: token for token the oracle's, with drafts accepted and rejected."""
+    target, head = eagle_pair
+    expected = _eagle_oracle(target, eagle_prompts)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
+    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
+    print(f"EAGLE with H2O: {accepted}/{drafts} draft tokens accepted")
+    assert groups == ["FullAttentionManager", "H2OManager"], groups
+    assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
+    for name in EAGLE_BUDGETS:
+        assert outputs[name] == expected[name], f"{name}: H2O with EAGLE drafts left the oracle"
+    changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
+    assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
+
+
+def test_eagle3_h2o_equals_the_dense_oracle(tiny_llama_dir, eagle_prompts, tmp_path):
+    """An EAGLE-3 head reads three of the target's layers' hidden states; a random one
+    (h2o_devtools.models.eagle: no head can mirror the target) drafts, and every draft is
+    rejected: the tokens are still the oracle's, and the blocks drain."""
+    from h2o_devtools.models import eagle
+    head = eagle.build_eagle3_head(tiny_llama_dir, tmp_path / "eagle3-head")
+    expected = _eagle_oracle(tiny_llama_dir, eagle_prompts)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": DRAFTS}
+    (outputs, drafts, _), groups = in_fresh_process(_eagle_matrix, tiny_llama_dir, eagle_prompts, spec)
+    assert groups == ["FullAttentionManager", "H2OManager"], groups
+    assert drafts > 0
+    for name in EAGLE_BUDGETS:
+        assert outputs[name] == expected[name], f"{name}: H2O with EAGLE-3 drafts left the oracle"
+
+
 # --------------------------------------------------------------------------- memory, tiny model
 
 TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
@@ -138,9 +218,9 @@ TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_looku
 
 
 def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM):
-    # A pool of 48 blocks per KV-cache group: a draft model's one layer beside the target's
-    # four makes five groups (four of them H2O's), which share the pool.
-    groups = 5 if speculative_config["method"] == "draft_model" else 1
+    # A pool of 48 blocks per KV-cache group: a draft model's (or EAGLE head's) one layer
+    # beside the target's four makes five groups (four of them H2O's), which share the pool.
+    groups = 1 if speculative_config["method"] == "ngram" else 5
     return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48 * groups,
                        max_model_len=512, speculative_config=speculative_config,
                        additional_config={"h2o": TINY_H2O})
@@ -153,10 +233,14 @@ def tiny_draft_dir(tmp_path_factory):
     return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_layers=1)
 
 
-@pytest.fixture(params=["ngram", "draft_model"])
-def tiny_speculator(request, tiny_draft_dir):
+@pytest.fixture(params=["ngram", "draft_model", "eagle"])
+def tiny_speculator(request, tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
     if request.param == "ngram":
         return TINY_NGRAM
+    if request.param == "eagle":
+        from h2o_devtools.models import eagle
+        head = eagle.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
+        return {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
     return {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}
 
 

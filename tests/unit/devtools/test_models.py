@@ -122,3 +122,31 @@ def test_a_gemma3_gguf_whose_defaults_moved_is_refused():
     config.query_pre_attn_scalar = 64
     with pytest.raises(ValueError, match="query_pre_attn_scalar"):
         real._check_gemma3_config(config)
+
+
+def test_mirrored_llama_feeds_its_layer_the_embeddings_unchanged(tmp_path):
+    """What an EAGLE-1 head needs to mirror the target (h2o_devtools.models.eagle): every
+    embedding row finite with RMS 1 (the pad row too), every norm weight 1."""
+    from h2o_devtools.models import eagle
+    model = AutoModelForCausalLM.from_pretrained(eagle.build_mirrored_llama(tmp_path / "t")).eval()
+    embed = model.model.embed_tokens.weight
+    assert model.config.num_hidden_layers == 1 and torch.isfinite(embed).all()
+    torch.testing.assert_close(embed.pow(2).mean(-1), torch.ones(embed.shape[0]))
+    norm = model.model.layers[0].input_layernorm
+    torch.testing.assert_close(norm(embed[:5]), embed[:5])
+
+
+def test_eagle_heads_are_the_targets_layer_and_a_random_eagle3(tmp_path):
+    from safetensors.torch import load_file
+
+    from h2o_devtools.models import eagle
+    target = eagle.build_mirrored_llama(tmp_path / "t")
+    head = load_file(eagle.build_eagle_head(target, tmp_path / "h") / "model.safetensors")
+    weights = load_file(target / "model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    torch.testing.assert_close(head["fc.weight"][:, :hidden], torch.eye(hidden))
+    assert not head["fc.weight"][:, hidden:].any() and "layers.0.input_layernorm.weight" not in head
+    torch.testing.assert_close(head["layers.0.self_attn.q_proj.weight"],
+                               weights["model.layers.0.self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="three target layers"):
+        eagle.build_eagle3_head(target, tmp_path / "e3")

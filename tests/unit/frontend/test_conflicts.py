@@ -61,15 +61,19 @@ def test_plain_engine_args_pass():
     {"speculative_config": {"model": "draft", "num_speculative_tokens": 2}},
     {"speculative_config": {"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}},
     {"spec_model": "draft"},
+    {"speculative_config": {"method": "eagle", "model": "head", "num_speculative_tokens": 3}},
+    {"speculative_config": {"method": "eagle3", "model": "head", "num_speculative_tokens": 3}},
 ])
-def test_ngram_and_draft_model_speculation_pass(kwargs):
+def test_ngram_draft_model_and_eagle_speculation_pass(kwargs):
     conflicts.check_engine_args(_args(**kwargs), H2O)
 
 
 @pytest.mark.parametrize("kwargs, flag, words", [
-    ({"speculative_config": {"method": "eagle3", "model": "m", "num_speculative_tokens": 2}},
-     "--speculative-config", "'eagle3'"),
-    ({"spec_method": "mtp"}, "--spec-method", "'mtp'"),
+    ({"speculative_config": {"method": "medusa", "model": "m", "num_speculative_tokens": 2}},
+     "--speculative-config", "'medusa'"),
+    ({"spec_method": "mtp"}, "--spec-method", "MTP heads are untested"),
+    ({"speculative_config": {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}},
+     "--speculative-config", "MTP heads are untested"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 16}}, "--speculative-config",
      "num_speculative_tokens=16"),
 ])
@@ -77,7 +81,7 @@ def test_speculators_h2o_cannot_run_exactly_are_refused_naming_the_way_out(kwarg
     message = _refusal(conflicts.check_engine_args, _args(**kwargs), H2O)
     assert flag in message and words in message and "turn H2O KV eviction off" in message
     if "num_speculative_tokens" not in words:
-        assert '"method": "ngram"' in message and '"method": "draft_model"' in message
+        assert all(f'"method": "{m}"' in message for m in ("ngram", "eagle3", "draft_model"))
         assert f"drop {flag}" in message
 
 
@@ -103,10 +107,12 @@ def test_plain_config_passes():
 DRAFT = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}
 
 
-def test_a_draft_model_turns_async_scheduling_off_where_vllm_would_default_it_on():
-    """The drafts of a draft model are made by the worker after the step: under async
-    scheduling the next step's compaction would be placed before they are verified."""
-    args = _args(speculative_config=DRAFT)
+@pytest.mark.parametrize("drafter", [DRAFT, {"method": "eagle", "model": "head", "num_speculative_tokens": 3},
+                                     {"method": "eagle3", "model": "head", "num_speculative_tokens": 3}])
+def test_a_worker_side_drafter_turns_async_scheduling_off_where_vllm_would_default_it_on(drafter):
+    """The drafts of a draft model or an EAGLE head are made by the worker after the step:
+    under async scheduling the next step's compaction would be placed before they are verified."""
+    args = _args(speculative_config=drafter)
     assert args.async_scheduling is None and conflicts.settle_async_scheduling(args)
     assert args.async_scheduling is False
     for kept in (_args(speculative_config=DRAFT, async_scheduling=False),
@@ -123,8 +129,8 @@ def test_a_draft_model_with_async_scheduling_asked_for_is_refused():
     assert "--no-async-scheduling" in _refusal(conflicts.check_vllm_config, built, H2O)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_ngram_and_draft_model_speculation_configs_pass(method):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_supported_speculation_configs_pass(method):
     spec = SimpleNamespace(method=method, num_speculative_tokens=3)
     conflicts.check_vllm_config(_vllm_config(speculative_config=spec), H2O)
 
@@ -135,7 +141,7 @@ def test_async_scheduling_passes():
 
 
 @pytest.mark.parametrize("overrides, setting", [
-    ({"speculative_config": SimpleNamespace(method="eagle3", num_speculative_tokens=2)},
+    ({"speculative_config": SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=2)},
      "--speculative-config"),
     ({"kv_transfer_config": object()}, "--kv-transfer-config"),
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "--pipeline-parallel-size"),
@@ -273,10 +279,10 @@ def test_engine_args_hook_refuses_before_the_config_is_built():
     from h2o_vllm.vllm_hooks.engine_args import _create_engine_config_wrapper
     called = []
     wrapped = _create_engine_config_wrapper(lambda self, *a, **k: called.append(self))
-    args = _args(additional_config={"h2o": {}}, spec_method="eagle3")
+    args = _args(additional_config={"h2o": {}}, spec_method="mtp")
     with pytest.raises(ValueError, match="--spec-method"):
         wrapped(args)
     assert not called
     # H2O off: nothing is checked.
-    wrapped(_args(spec_method="eagle3"))
+    wrapped(_args(spec_method="mtp"))
     assert called
