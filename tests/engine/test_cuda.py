@@ -329,16 +329,17 @@ CUDA_PATH_TOKENS = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-def _cuda_path_speculative_run(model_dir, prompts, speculative_config):
+def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0"):
     """In a fresh process: an engine with a speculator registers vLLM's speculative Triton
     kernels in its process, after which vLLM's dispatcher fails the next engine started there
-    (tests/engine/test_speculative.py)."""
+    (tests/engine/test_speculative.py). ``v2``: VLLM_USE_V2_MODEL_RUNNER; vLLM's default async
+    scheduling, which H2O turns off for a drafter with a model."""
     params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
               for _ in prompts]
     with vllm_engine(model_dir, in_process=True, block_size=16, max_model_len=256,
                      speculative_config=speculative_config, disable_log_stats=False,
                      additional_config={"h2o": {}},
-                     **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: "0"})) as llm:
+                     **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: v2})) as llm:
         evicted = []
         outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
                             on_step=lambda: evicted.extend(
@@ -374,24 +375,34 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
 
 
-def test_eagle_h2o_on_the_cuda_path_equals_the_oracle(tmp_path):
-    """An EAGLE-1 head on the CUDA path (V1): its layer runs vLLM's Triton attention over its
-    whole cache, the target's the fused kernel. The tiny target the head mirrors
-    (h2o_devtools.models.eagle), so drafts are accepted."""
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    """A one-layer target and an EAGLE-1 head that mirrors it (h2o_devtools.models.eagle): the
+    head drafts what the dense target generates, so drafts are accepted. (No "eagle" in the
+    target's path: vLLM takes a draft model whose path says "eagle" for an EAGLE head.)"""
+    from h2o_devtools.models import eagle
+    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("mirrored-target"))
+    return target, eagle.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
+
+
+@pytest.mark.parametrize("method, v2", [("eagle", "0"), ("eagle", "1"), ("draft_model", "1")],
+                         ids=["eagle-v1", "eagle-v2", "draft_model-v2"])
+def test_model_drafters_on_the_cuda_path_equal_the_oracle(eagle_pair, method, v2):
+    """An EAGLE-1 head, and a draft model (the target drafting for itself), on the CUDA path
+    with Model Runner V1 and V2: the drafter's layer runs vLLM's Triton attention over its whole
+    cache, the target's the fused kernel; drafts accepted, tokens the oracle's."""
     from transformers import AutoModelForCausalLM
 
-    from h2o_devtools.models import eagle
     from h2o_vllm.oracle import H2OOracle
-    target = eagle.build_mirrored_llama(tmp_path / "target")
-    head = eagle.build_eagle_head(target, tmp_path / "head")
+    target, head = eagle_pair
     prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
                 for name, b in CUDA_PATH_BUDGETS.items()}
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 3}
+    spec = {"method": method, "model": str(head if method == "eagle" else target), "num_speculative_tokens": 3}
     outputs, (drafts, accepted), evicted = in_fresh_process(
-        _cuda_path_speculative_run, target, prompts, spec, env={**DEVICE.get("env", {}), V2_ENV: "0"})
+        _cuda_path_speculative_run, target, prompts, spec, v2, env={**DEVICE.get("env", {}), V2_ENV: v2})
     assert 0 < accepted < drafts and evicted > 0
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):

@@ -151,7 +151,7 @@ def eagle_pair(tmp_path_factory):
     it drafts what the dense target generates, so drafts are accepted wherever eviction left
     the token unchanged."""
     from h2o_devtools.models import eagle
-    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("eagle-target"))
+    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("mirrored-target"))
     return target, eagle.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
 
 
