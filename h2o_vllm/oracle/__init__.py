@@ -13,5 +13,6 @@ with the paper's defaults its arithmetic is the plain H2O sum (see ``H2OOracle``
 """
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
 from h2o_vllm.oracle.model import H2OOracle
+from h2o_vllm.oracle.stored_kv import FP8_E4M3, StoredKV
 
-__all__ = ["H2OOracle", "LayerCache", "SequenceState"]
+__all__ = ["FP8_E4M3", "H2OOracle", "LayerCache", "SequenceState", "StoredKV"]

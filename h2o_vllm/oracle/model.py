@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.oracle.attention import DEFAULT_QUERY_CHUNK, attend_and_score
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
+from h2o_vllm.oracle.stored_kv import StoredKV
 
 #: The registry name the oracle's attention is installed under while a step runs.
 ATTN_IMPLEMENTATION = "h2o_oracle"
@@ -34,6 +35,7 @@ class _Step:
     decay: float
     weights: torch.Tensor | None
     query_chunk: int
+    stored_kv: StoredKV
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("h2o_oracle_step", default=None)
@@ -56,7 +58,7 @@ def _oracle_attention(module, query, key, value, attention_mask, scaling=None, d
         state.layers[index] = LayerCache(key.shape[1], key.shape[-1], capacity=state.prompt_len + 64,
                                          window=sliding_window)
     cache = state.layers[index]
-    cache.append(key[0].float(), value[0].float(), step.positions)
+    cache.append(*step.stored_kv.round(key[0].float(), value[0].float()), step.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend_and_score(query[0].float(), cache, scale, step.query_chunk, decay=step.decay,
                            weights=step.weights, softcap=softcap,
@@ -96,6 +98,9 @@ class H2OOracle:
     - ``prefill_chunk``: the prompt is written one chunk per step (``prefill``), the cadence
       checked after each, so a chunk's queries attend over what earlier chunks kept.
 
+    ``stored_kv``: how the engine's cache stores K/V (``oracle.stored_kv``: as computed, or fp8
+    with per-tensor scales); the oracle attends over and scores the values read back.
+
     Each sequence is its own H2O instance (its own prompt length, budget and scores). The prompt
     is one prefill step (one per chunk with ``prefill_chunk``); each later token is one decode step. After each call, ``last_states``
     holds one ``SequenceState`` per sequence: ``state.kv_len`` and, per layer,
@@ -103,7 +108,8 @@ class H2OOracle:
     """
 
     def __init__(self, model: torch.nn.Module, config: H2OConfig | None = None, *,
-                 block_size: int | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK) -> None:
+                 block_size: int | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK,
+                 stored_kv: StoredKV = StoredKV()) -> None:
         if config is not None and config.interval is None and block_size is None:
             raise ValueError("H2OOracle: the default interval is one KV block; pass block_size "
                              "(the engine's KV block size) or set interval in the config")
@@ -111,6 +117,7 @@ class H2OOracle:
         self.config = config
         self.block_size = block_size
         self.query_chunk = query_chunk
+        self.stored_kv = stored_kv
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_states: list[SequenceState] = []
@@ -175,7 +182,8 @@ class H2OOracle:
         due. Returns the fp32 next-token logits [vocab] of the last token."""
         positions = torch.arange(state.num_tokens, state.num_tokens + len(token_ids))
         decay = 1.0 if state.budget is None else state.budget.decay
-        step = _Step(state, positions, decay, state.query_weights(positions), self.query_chunk)
+        step = _Step(state, positions, decay, state.query_weights(positions), self.query_chunk,
+                     self.stored_kv)
         kwargs = {"logits_to_keep": 1} if self._keep_last else {}
         with self._attention(), _stepping(step):
             logits = self.model(input_ids=torch.tensor([token_ids]), position_ids=positions[None],
