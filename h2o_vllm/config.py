@@ -246,6 +246,10 @@ def request_config(base: H2OConfig, extra_args: Mapping[str, Any] | None) -> H2O
 #: settings (``frontend.cuda_config``) read it as well as the hooks.
 TRITON_ON_CPU_SWITCH = "H2O_VLLM_TRITON_ON_CPU"
 
+#: The quantised KV caches H2O runs with, on the CUDA path only: fp8 e4m3 with per-tensor scales,
+#: read as vLLM's Triton attention reads them (docs/semantics.md, "FP8 KV cache").
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
 
 def triton_on_cpu_enabled() -> bool:
     return os.environ.get(TRITON_ON_CPU_SWITCH, "0").strip().lower() in ("1", "true")

@@ -41,8 +41,8 @@ def extra_args(budget: dict) -> dict:
     return {f"h2o_{key}": value for key, value in budget.items()}
 
 
-def oracle(model, budget: dict, block_size: int):
+def oracle(model, budget: dict, block_size: int, **kwargs):
     """The dense oracle for one budget of the matrix, given the engine's KV block size (the
-    default interval is one block there as in vLLM)."""
+    default interval is one block there as in vLLM); ``kwargs``: H2OOracle's (``stored_kv``)."""
     from h2o_vllm.oracle import H2OOracle
-    return H2OOracle(model, H2OConfig.from_dict(budget), block_size=block_size)
+    return H2OOracle(model, H2OConfig.from_dict(budget), block_size=block_size, **kwargs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from h2o_vllm.config import TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
+from h2o_vllm.config import FP8_KV_CACHE_DTYPES, TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
 
 logger = logging.getLogger("h2o_vllm")
 
@@ -91,6 +91,7 @@ def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
             "Triton interpreter, where H2O's CUDA path is tested (draft models and EAGLE heads are "
             "tested on V2). Set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: H2O with n-gram drafts is "
             f"exact there), use a draft model or an EAGLE head, drop --speculative-config, {_OFF}")
+    _check_cache_dtype(str(vllm_config.cache_config.cache_dtype), is_cuda or triton_on_cpu_enabled())
     if not is_cuda:
         return
     compilation = vllm_config.compilation_config
@@ -104,11 +105,26 @@ def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
             "piecewise CUDA graphs without attention among the splitting ops cannot be combined "
             "with H2O KV eviction: attention would be captured in a graph. Leave "
             f"compilation_config.splitting_ops at its default, or pass --enforce-eager, {_OFF}")
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise ValueError(f"--kv-cache-dtype {cache_dtype} cannot be combined with H2O KV eviction "
-                         "on CUDA: its score and compaction kernels read unquantized K/V. Drop "
-                         f"--kv-cache-dtype, {_OFF}")
+
+
+def _check_cache_dtype(cache_dtype: str, cuda_path: bool) -> None:
+    """fp8 (e4m3, per-tensor scales) on the CUDA path; every other quantised cache refused."""
+    if cache_dtype in ("auto", "bfloat16", "float16", "float32"):
+        return
+    if cuda_path and cache_dtype in FP8_KV_CACHE_DTYPES:
+        return
+    if cuda_path:
+        why = ("H2O reads fp8 caches with per-tensor scales only (fp8 / fp8_e4m3): a per-token-head "
+               "cache keeps each slot's scale inline, which compaction does not move, and "
+               "fp8_e5m2 is untested")
+        way_out = "Use --kv-cache-dtype fp8"
+    else:
+        why = ("H2O's CPU backend computes prefill attention and scores itself over unquantised "
+               "K/V (and vLLM's CPU attention reads fp8 only on AVX-512 or AMX machines); fp8 runs "
+               "on the CUDA path")
+        way_out = "Drop --kv-cache-dtype"
+    raise ValueError(f"--kv-cache-dtype {cache_dtype} cannot be combined with H2O KV eviction here: "
+                     f"{why}. {way_out}, {_OFF}")
 
 
 def _refuse_full_graphs(mode: Any) -> None:

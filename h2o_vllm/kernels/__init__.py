@@ -41,7 +41,10 @@ _LAUNCHERS = {
     "compact_rows": "h2o_vllm.kernels.compact",
 }
 __all__ = sorted(_LAUNCHERS)
-_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+#: fp8 caches (vLLM's ``kv_cache_dtype`` fp8 / fp8_e4m3): stored ``x / scale``, read back as
+#: ``fp8 * scale`` in the query's dtype (the kernels' ``k_scale`` / ``v_scale``).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
 
 
 def __getattr__(name: str):
@@ -85,8 +88,10 @@ def check_query(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int)
     if query.dim() != 3 or query.shape[2] != key_cache.shape[3]:
         raise ValueError(f"query must be [num_tokens, num_q_heads, {key_cache.shape[3]}], "
                          f"got {tuple(query.shape)}")
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} must match key_cache dtype {key_cache.dtype}")
+    if query.dtype != key_cache.dtype and not (key_cache.dtype in FP8_CACHE_DTYPES
+                                               and query.dtype in _CACHE_DTYPES[:3]):
+        raise TypeError(f"query dtype {query.dtype} must match key_cache dtype {key_cache.dtype} "
+                        "(or the cache be fp8)")
     if query.stride(-1) != 1:
         raise ValueError(f"query must be contiguous in head_size, got strides {query.stride()}")
     if query.device != key_cache.device:

@@ -23,9 +23,10 @@ kernel does; the scores are the capped softmax. Sink logits (``sinks``, gpt-oss:
 head) join each softmax's denominator as in vLLM's kernel, which starts its running max and sum
 from them: the output and the scores are the model's, and the sink's share is nobody's score.
 Not supported (refused before an engine loads, see ``h2o_vllm.frontend.conflicts``, or by the
-caller): sliding window, ALiBi, quantised (fp8) caches, non-causal rows.
+caller): sliding window, ALiBi, per-token-head quantised caches, non-causal rows.
 Math: logits, softmax and the accumulator in fp32; Q.K and P.V as vLLM's kernel does them (the
-cache dtype's tensor-core dot, P cast to V's dtype), IEEE fp32 dots for an fp32 cache.
+query dtype's tensor-core dot, P cast to V's dtype), IEEE fp32 dots for fp32 queries. An fp8
+cache (per-tensor scales) is dequantised on load, into the query's dtype, as vLLM's kernel does.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h2o_vllm.kernels import check_lens, check_paged, check_query, check_sinks, check_tile, check_weights
+from h2o_vllm.kernels import (FP8_CACHE_DTYPES, check_lens, check_paged, check_query, check_sinks,
+                              check_tile, check_weights)
 from h2o_vllm.kernels.tiles import LOG2E, soft_cap, softmax_start
 
 
@@ -63,14 +65,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 def h2o_attention_kernel(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
         lse, logits, decode_offsets, scores, query_weight, score_scale, sinks, scale_log2, cap_log2,
-        num_rows,
+        k_scale, v_scale, num_rows,
         stride_ot, stride_oh, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_bt, stride_lt, stride_lh, stride_gh,
         stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
         SCORE_TILE: tl.constexpr, IEEE: tl.constexpr, SCORES: tl.constexpr,
-        WEIGHTED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
+        WEIGHTED: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = _find_row(query_start_loc, q_block, num_rows, BLOCK_Q)
@@ -112,6 +114,9 @@ def h2o_attention_kernel(
         v = tl.load(value_cache + blk[:, None] * stride_vb + slot[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :],
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE, HEAD_PAD]
+        if FP8:  # as vLLM's unified_attention: fp8 * scale, in the query's dtype
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         s = soft_cap(_dot(q, k, IEEE) * scale_log2, cap_log2, SOFTCAP)
         visible = m_mask[:, None] & n_mask[None, :] & (offs_n[None, :] <= (ctx_len + q_pos)[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -181,7 +186,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   decode_offsets: torch.Tensor | None = None, num_decode_keys: int = 0,
                   query_weight: torch.Tensor | None = None,
                   score_scale: torch.Tensor | None = None,
-                  softcap: float = 0.0, sinks: torch.Tensor | None = None, tile_n: int = 32,
+                  softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                  k_scale: float = 1.0, v_scale: float = 1.0, tile_n: int = 32,
                   score_tile: int = 128) -> torch.Tensor | None:
     """out = causal paged attention of the batch; with ``scores``, also H2O's scores.
 
@@ -199,6 +205,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     decode rows are not written. Without scores: plain attention, returns None.
     softcap > 0: the logits are soft-capped; sinks [num_q_heads] (any float dtype): each query
     head's sink logit joins its softmax's denominator (the lse includes it).
+    An fp8 cache (``kernels.FP8_CACHE_DTYPES``) is read as ``fp8 * k_scale`` / ``fp8 * v_scale``
+    in the query's dtype, as vLLM's Triton attention reads it.
     """
     _, block_size, num_kv_heads, head_size = check_paged("key_cache", key_cache, block_table,
                                                          scores)
@@ -240,7 +248,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         unused if decode_offsets is None else decode_offsets,
         unused if scores is None else scores,
         query_weight if weighted else unused, score_scale if weighted else unused,
-        sinks if with_sinks else unused, float(scale) * LOG2E, float(softcap) * LOG2E, num_rows,
+        sinks if with_sinks else unused, float(scale) * LOG2E, float(softcap) * LOG2E,
+        float(k_scale), float(v_scale), num_rows,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -250,8 +259,8 @@ def h2o_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         *(scores.stride() if scores is not None else (0, 0, 0)), block_size,
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), TILE=tile_n, SCORE_TILE=score_tile,
-        IEEE=key_cache.dtype == torch.float32, SCORES=scores is not None, WEIGHTED=weighted,
-        SOFTCAP=softcap > 0, SINKS=with_sinks)
+        IEEE=query.dtype == torch.float32, SCORES=scores is not None, WEIGHTED=weighted,
+        SOFTCAP=softcap > 0, SINKS=with_sinks, FP8=key_cache.dtype in FP8_CACHE_DTYPES)
     return lse
 
 

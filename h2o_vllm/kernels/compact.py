@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h2o_vllm.kernels import check_paged
+from h2o_vllm.kernels import FP8_CACHE_DTYPES, check_paged
 
 
 @triton.jit
@@ -111,6 +111,8 @@ def compact_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: tor
     if rows.shape[0] == 0 or target == 0:
         return
     rows = rows.contiguous()
+    if key_cache.dtype in FP8_CACHE_DTYPES:  # moved as bytes: no float conversion on the way
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     # One launch for K and V together where they share rows (the CUDA path), else one each.
     parts = ([(key_cache, 2 * head_size)] if _k_and_v_in_one_row(key_cache, value_cache)
              else [(key_cache, head_size), (value_cache, head_size)])

@@ -18,7 +18,7 @@ from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step, so
 @triton.jit
 def accumulate_decode_scores_kernel(
         query, key_cache, block_table, kv_seq_lens, scores, query_weight, score_scale, sinks,
-        scale_log2, cap_log2,
+        scale_log2, cap_log2, k_scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
@@ -42,7 +42,7 @@ def accumulate_decode_scores_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
         _, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                             stride_kb, stride_ks, stride_kh, block_size)
+                             stride_kb, stride_ks, stride_kh, block_size, k_scale)
         s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_i, l_i = online_softmax_step(m_i, l_i, s)
@@ -57,7 +57,7 @@ def accumulate_decode_scores_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
         blk, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                               stride_kb, stride_ks, stride_kh, block_size)
+                               stride_kb, stride_ks, stride_kh, block_size, k_scale)
         s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]
         col = tl.sum(p, axis=0)
@@ -74,7 +74,8 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
                              scores: torch.Tensor, scale: float, *,
                              query_weight: torch.Tensor | None = None,
                              score_scale: torch.Tensor | None = None, softcap: float = 0.0,
-                             sinks: torch.Tensor | None = None, block_n: int = 64) -> None:
+                             sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                             block_n: int = 64) -> None:
     """scores[slot(row, t), kv_head] += sum over the group of softmax(scale * q . K^T)[t]
     (the logits soft-capped first with ``softcap`` > 0, and ``sinks`` in the denominator, as
     in ``prefill_lse``).
@@ -86,7 +87,7 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
     One program per (row, KV head) holds the whole GQA group's queries and makes two passes
     over the row's keys (online max/sum, then probabilities): K read twice, scores read and
     written once, no split over the key axis (parallelism num_rows * num_kv_heads). Rows with
-    kv_seq_lens 0 (padding) are no-ops.
+    kv_seq_lens 0 (padding) are no-ops. An fp8 key_cache is read as ``fp8 * k_scale``.
     """
     _, _, num_kv_heads, head_size = check_paged("key_cache", key_cache, block_table, scores)
     check_tile(block_n=block_n)
@@ -103,11 +104,11 @@ def accumulate_decode_scores(query: torch.Tensor, key_cache: torch.Tensor,
         query, key_cache, block_table, kv_seq_lens, scores,
         query_weight if weighted else scores, score_scale if weighted else scores,  # unread
         sinks if with_sinks else scores,
-        float(scale) * LOG2E, float(softcap) * LOG2E,
+        float(scale) * LOG2E, float(softcap) * LOG2E, float(k_scale),
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_table.stride(0),
         scores.stride(0), scores.stride(1), scores.stride(2), key_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted,
+        DOT_PRECISION=dot_precision(query.dtype), WEIGHTED=weighted,
         SOFTCAP=softcap > 0, SINKS=with_sinks)

@@ -18,7 +18,7 @@ from h2o_vllm.kernels.tiles import LOG2E, load_key_tile, online_softmax_step, so
 @triton.jit
 def prefill_lse_kernel(
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, sinks, scale_log2,
-        cap_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        cap_log2, k_scale, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -51,7 +51,7 @@ def prefill_lse_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         _, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                             stride_kb, stride_ks, stride_kh, block_size)
+                             stride_kb, stride_ks, stride_kh, block_size, k_scale)
         s = soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2, cap_log2, SOFTCAP)
         # Key 0 is visible to every query (padded ones too), so m_i is finite after tile 0.
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -66,7 +66,7 @@ def prefill_lse_kernel(
 @triton.jit
 def accumulate_prefill_scores_kernel(
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores, query_weight,
-        score_scale, first_scored, scale_log2, cap_log2,
+        score_scale, first_scored, scale_log2, cap_log2, k_scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
         stride_lt, stride_lh, stride_sb, stride_sh, stride_ss, block_size,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -91,7 +91,7 @@ def accumulate_prefill_scores_kernel(
     d_mask = offs_d < HEAD_SIZE
     bt_row = block_table + row.to(tl.int64) * stride_bt
     blk, k = load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                           stride_kb, stride_ks, stride_kh, block_size)
+                           stride_kb, stride_ks, stride_kh, block_size, k_scale)
     acc = tl.zeros([BLOCK_N], tl.float32)
     # Queries j < n0 - ctx_len see none of these keys (causal): start at the first that can.
     first = tl.maximum(n0 - ctx_len, 0) * GROUP
@@ -133,7 +133,7 @@ def accumulate_prefill_scores_kernel(
 def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                 query_start_loc: torch.Tensor, kv_seq_lens: torch.Tensor, scale: float, *,
                 max_query_len: int | None = None, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None, block_m: int = 64,
+                sinks: torch.Tensor | None = None, k_scale: float = 1.0, block_m: int = 64,
                 block_n: int = 64) -> torch.Tensor:
     """Per query and query head, ln(sum over visible keys of exp(scale * q . k)), causal
     (with ``softcap`` > 0, of the capped logits ``softcap * tanh(scale * q . k / softcap)``;
@@ -159,12 +159,12 @@ def prefill_lse(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch
     grid = (num_rows, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     prefill_lse_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse,
-        sinks if with_sinks else lse, float(scale) * LOG2E, float(softcap) * LOG2E,
+        sinks if with_sinks else lse, float(scale) * LOG2E, float(softcap) * LOG2E, float(k_scale),
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2), block_table.stride(0), lse.stride(0), lse.stride(1),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), SOFTCAP=softcap > 0, SINKS=with_sinks)
+        DOT_PRECISION=dot_precision(query.dtype), SOFTCAP=softcap > 0, SINKS=with_sinks)
     return lse
 
 
@@ -175,8 +175,8 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
                               query_weight: torch.Tensor | None = None,
                               score_scale: torch.Tensor | None = None,
                               first_scored: torch.Tensor | None = None, softcap: float = 0.0,
-                              sinks: torch.Tensor | None = None, block_m: int = 64,
-                              block_n: int = 64) -> None:
+                              sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                              block_m: int = 64, block_n: int = 64) -> None:
     """scores[slot(row, t), kv_head] += sum over this step's queries of the row and over the
     group of the causal softmax(scale * q . K^T)[t] (soft-capped and with sinks as in
     ``prefill_lse``).
@@ -194,18 +194,18 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
     query tile), then one program per KV tile reads its K once and loops over the query tiles
     that see it (Q and lse read once per KV tile); QK^T is computed twice in all. The CUDA
     path runs the fused attention instead (``h2o_vllm.kernels.attention``); this is its
-    tested reference.
+    tested reference. An fp8 key_cache is read as ``fp8 * k_scale``.
     """
     check_paged("key_cache", key_cache, block_table, scores)  # fail before any launch
     check_weights(query_weight, 0, score_scale, query_start_loc.shape[0] - 1, key_cache.device)
     lse = prefill_lse(query, key_cache, block_table, query_start_loc, kv_seq_lens, scale,
-                      max_query_len=max_query_len, softcap=softcap, sinks=sinks, block_m=block_m,
-                      block_n=block_n)
+                      max_query_len=max_query_len, softcap=softcap, sinks=sinks, k_scale=k_scale,
+                      block_m=block_m, block_n=block_n)
     accumulate_prefill_scores_from_lse(query, key_cache, block_table, query_start_loc,
                                        kv_seq_lens, lse, scores, scale, max_kv_len=max_kv_len,
                                        query_weight=query_weight, score_scale=score_scale,
-                                       first_scored=first_scored, softcap=softcap, block_m=block_m,
-                                       block_n=block_n)
+                                       first_scored=first_scored, softcap=softcap, k_scale=k_scale,
+                                       block_m=block_m, block_n=block_n)
 
 
 def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Tensor,
@@ -217,7 +217,8 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
                                        score_scale: torch.Tensor | None = None,
                                        fresh_new_slots: bool = False,
                                        first_scored: torch.Tensor | None = None, softcap: float = 0.0,
-                                       block_m: int = 64, block_n: int = 64) -> None:
+                                       k_scale: float = 1.0, block_m: int = 64,
+                                       block_n: int = 64) -> None:
     """Pass 2 of accumulate_prefill_scores, given each (query, query head)'s causal
     log-sum-exp lse [num_tokens, num_q_heads] fp32 (natural log, indexed like query): from
     prefill_lse, or from the fused attention (``h2o_vllm.kernels.attention``), which computes
@@ -255,10 +256,10 @@ def accumulate_prefill_scores_from_lse(query: torch.Tensor, key_cache: torch.Ten
     accumulate_prefill_scores_kernel[grid](
         query, key_cache, block_table, query_start_loc, kv_seq_lens, lse, scores,
         query_weight if weighted else scores, score_scale if weighted else scores,  # unread
-        first_scored, float(scale) * LOG2E, float(softcap) * LOG2E, query.stride(0), query.stride(1), key_cache.stride(0),
+        first_scored, float(scale) * LOG2E, float(softcap) * LOG2E, float(k_scale), query.stride(0), query.stride(1), key_cache.stride(0),
         key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1), scores.stride(2),
         key_cache.shape[1], GROUP=group, HEAD_SIZE=head_size,
         HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(key_cache.dtype), WEIGHTED=weighted, FRESH=fresh_new_slots,
+        DOT_PRECISION=dot_precision(query.dtype), WEIGHTED=weighted, FRESH=fresh_new_slots,
         SOFTCAP=softcap > 0)

@@ -16,8 +16,9 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
-                  stride_kb, stride_ks, stride_kh, block_size):
-    """K at KV positions offs_n of one row and KV head, upcast to fp32 (masked lanes are 0).
+                  stride_kb, stride_ks, stride_kh, block_size, k_scale):
+    """K at KV positions offs_n of one row and KV head, upcast to fp32 and times ``k_scale``
+    (an fp8 cache's per-tensor scale; 1.0 otherwise, which is exact) (masked lanes are 0).
 
     bt_row points at the row's block-table entries. Also returns each position's block (int64),
     which the caller needs to address the same positions in ``scores``.
@@ -26,7 +27,7 @@ def load_key_tile(key_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
     k = tl.load(key_cache + blk[:, None] * stride_kb
                 + (offs_n % block_size)[:, None] * stride_ks
                 + kv_head * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * k_scale
     return blk, k
 
 

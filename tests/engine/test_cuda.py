@@ -269,6 +269,31 @@ def test_cuda_h2o_matches_dense_oracle(request, h2o_outputs, hf_model, budget, s
     assert h2o_outputs[budget] != stock_triton_outputs  # the control: eviction changed something
 
 
+# --------------------------------------------------------------------------- fp8 KV cache
+
+FP8_ENGINES = {"v1-chunked-sync": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"}),
+               "v2-chunked-async": dict(CHUNKED, async_scheduling=True, env={V2_ENV: "1"})}
+
+
+@pytest.mark.parametrize("engine", list(FP8_ENGINES))
+def test_cuda_h2o_with_an_fp8_kv_cache_matches_the_fp8_oracle(tiny_llama_dir, hf_model, engine):
+    """``--kv-cache-dtype fp8`` (e4m3, per-tensor scales 1.0): the fused kernel and the score
+    kernels read fp8 * scale, compaction moves the bytes, the interpreted write stores what a
+    GPU stores. The whole matrix per request, block lists checked after every step, equals an
+    oracle whose cache holds the K/V as the fp8 cache gives them back (``oracle.stored_kv``);
+    and fp8 shows: some budget's tokens differ from the unquantised oracle's."""
+    from h2o_vllm.oracle import FP8_E4M3
+    outputs = _serve(serve_matrix, tiny_llama_dir, dict(FP8_ENGINES[engine], kv_cache_dtype="fp8"))
+    budgets = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": ENGINE_H2O}
+    n, quantised = len(PROMPTS), False
+    for i, name in enumerate(MATRIX):
+        config = {**ENGINE_H2O, **budgets[name]}
+        want = oracle(hf_model, config, BLOCK, stored_kv=FP8_E4M3).generate(PROMPTS, MAX_TOKENS)
+        assert outputs[i * n:(i + 1) * n] == want, f"{name}: H2O with an fp8 cache left the oracle"
+        quantised = quantised or want != oracle(hf_model, config, BLOCK).generate(PROMPTS, MAX_TOKENS)
+    assert quantised, "fp8 rounding changed no token: the test cannot tell fp8 from fp32"
+
+
 @pytest.mark.skipif(ON_GPU, reason="the switch is for a CPU-only vLLM")
 @pytest.mark.parametrize("kwargs, words", [
     (dict(dtype="bfloat16"), "--dtype float32"),

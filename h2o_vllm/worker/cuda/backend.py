@@ -18,7 +18,7 @@ from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, Trit
                                                     TritonAttentionMetadataBuilder)
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
-from h2o_vllm.config import h2o_config
+from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
 from h2o_vllm.worker.cuda.drafts import DraftBook, DraftStep, HeldQueries
 from h2o_vllm.worker.cuda.ops import TritonOps
@@ -81,14 +81,29 @@ class H2OTritonMetadataBuilder(H2OBuilderMixin, TritonAttentionMetadataBuilder):
 class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = TritonOps(self.head_size)
+        fp8 = self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        self.ops = TritonOps(self.head_size, self.fp8_dtype if fp8 else None)
         if self.h2o is not None:
             self._check_fusable()
             self.fuses_scores = True
             self.held = HeldQueries()
 
     def _check_fusable(self) -> None:
-        check_fusable(self, quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype))
+        check_fusable(self, quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype)
+                      and self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES)
+
+    def forward(self, layer, *args, **kwargs):
+        self.ops.read_scales(layer)
+        return super().forward(layer, *args, **kwargs)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        """vLLM's write, except an fp8 cache on the CPU (the Triton interpreter): vLLM's Triton
+        writer refuses fp8 off an SM89+ GPU ("needs native fp8e4nv"), so torch stores here what
+        a GPU's conversion stores (round to nearest even, saturated)."""
+        if self.ops.fp8_dtype is None or kv_cache.device.type != "cpu":
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        self.ops.read_scales(layer)
+        self.ops.write_fp8(self.ops.cache_views(kv_cache), key, value, slot_mapping)
 
     def has_sliding_window(self) -> bool:
         return tuple(self.sliding_window) != (-1, -1)
@@ -104,7 +119,7 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
                                       "causality, no bidirectional multimodal prefixes)")
         if attn_metadata.drafts is not None:  # before this step's scores: they come after
             self.held.apply(attn_metadata.drafts, step, query, views.keys, scores, self.scale,
-                            self.logits_soft_cap, self.sinks)
+                            self.logits_soft_cap, self.sinks, k_scale=self.ops.k_scale)
         self.ops.attend(step, query, views, output, scores, self.scale,
                         attn_metadata.query_start_loc, self.logits_soft_cap, self.sinks)
 

@@ -119,8 +119,9 @@ class HeldQueries:
 
     def apply(self, decision: DraftStep, step: H2OStep, query: torch.Tensor, keys: torch.Tensor,
               scores: torch.Tensor, scale: float, softcap: float = 0.0,
-              sink_logits: torch.Tensor | None = None) -> None:
-        """Score the held queries that survived, in order; then hold this step's."""
+              sink_logits: torch.Tensor | None = None, k_scale: float = 1.0) -> None:
+        """Score the held queries that survived, in order; then hold this step's (``k_scale``:
+        an fp8 cache's)."""
         from h2o_vllm.kernels import accumulate_decode_scores
         score = decision.score
         if score is not None:
@@ -129,7 +130,7 @@ class HeldQueries:
             for t in range(score.kv_lens.shape[0]):  # one pass per query: s <- decay * s + p
                 accumulate_decode_scores(self.buffer[score.slots, t], keys, table, score.kv_lens[t],
                                          scores, scale, query_weight=ones, score_scale=score.decay,
-                                         softcap=softcap, sinks=sink_logits)
+                                         softcap=softcap, sinks=sink_logits, k_scale=k_scale)
         if decision.store_tokens is not None:
             buffer = self._buffer(decision, query)
             buffer[decision.store_slots, decision.store_pos] = query[decision.store_tokens]

@@ -4,6 +4,8 @@ and ``attend``, the fused attention that replaces vLLM's attention and ``accumul
 Runs in the worker process (on the CPU too, under ``TRITON_INTERPRET=1``). Triton attention's
 kv_cache is [num_blocks, num_kv_heads, block_size, 2 * head_size]; ``transpose(1, 2).split``
 gives K and V as [num_blocks, block_size, num_kv_heads, head_size] views, the kernels' layout.
+An fp8 cache (vLLM allocates it as bytes) is viewed as float8_e4m3fn, as vLLM's Triton backend
+views it, and read with the layer's per-tensor scales (``read_scales``).
 """
 from __future__ import annotations
 
@@ -27,11 +29,37 @@ class FusedIndex(NamedTuple):
 
 
 class TritonOps:
-    def __init__(self, head_size: int) -> None:
+    def __init__(self, head_size: int, fp8_dtype: torch.dtype | None = None) -> None:
         self.head_size = head_size
+        self.fp8_dtype = fp8_dtype  # an fp8 cache's element type; None: unquantised
+        # The layer's per-tensor fp8 scales (1.0 unless a checkpoint calibrated them).
+        self.k_scale = self.v_scale = 1.0
+
+    def read_scales(self, layer) -> None:
+        """The layer's fp8 scales: vLLM sets them once its weights have loaded, before the first
+        step, and keeps them; read at each forward (two floats), not trusted from before."""
+        if self.fp8_dtype is not None:
+            from h2o_vllm.vllm_hooks.kv_scales import kv_scales
+            self.k_scale, self.v_scale = kv_scales(layer)
 
     def cache_views(self, kv_cache: torch.Tensor) -> TritonCacheViews:
-        return TritonCacheViews(*kv_cache.transpose(1, 2).split(self.head_size, dim=-1))
+        keys, values = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        if self.fp8_dtype is not None:
+            keys, values = keys.view(self.fp8_dtype), values.view(self.fp8_dtype)
+        return TritonCacheViews(keys, values)
+
+    def write_fp8(self, views: TritonCacheViews, key: torch.Tensor, value: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        """K/V stored in an fp8 cache as a GPU stores them: ``x / scale`` in fp32, saturated,
+        rounded to nearest even (``oracle.stored_kv``'s rule). Slots -1 (padding) are skipped."""
+        live = slot_mapping >= 0
+        slots = slot_mapping[live]
+        block_size = views.keys.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        largest = torch.finfo(self.fp8_dtype).max
+        for cache, x, scale in ((views.keys, key, self.k_scale), (views.values, value, self.v_scale)):
+            x = x[: slot_mapping.shape[0]][live].view(-1, *cache.shape[2:])
+            cache[blocks, offsets] = (x.float() / scale).clamp(-largest, largest).to(self.fp8_dtype)
 
     def step_index(self, step: H2OStep, block_size: int) -> FusedIndex:
         from h2o_vllm.kernels.attention import decode_logit_offsets  # torch only
@@ -61,7 +89,8 @@ class TritonOps:
             query, views.keys, views.values, out[:num_tokens], step.block_table,
             query_start_loc[:num_rows + 1], step.kv_seq_lens, scale, scores=scores,
             decode_offsets=index.decode_offsets, num_decode_keys=index.num_decode_keys,
-            query_weight=weights, score_scale=factors, softcap=softcap, sinks=sink_logits)
+            query_weight=weights, score_scale=factors, softcap=softcap, sinks=sink_logits,
+            k_scale=self.k_scale, v_scale=self.v_scale)
         if step.prefill_rows is not None:
             tokens, rows = step.prefill_tokens, step.prefill_rows
             q, q_lse, w = ((query, lse, weights) if tokens is None
@@ -70,7 +99,7 @@ class TritonOps:
                 q, views.keys, step.block_table[rows], step.prefill_query_start_loc,
                 step.kv_seq_lens[rows], q_lse, scores, scale, max_kv_len=step.max_prefill_kv_len,
                 query_weight=w, score_scale=_take(factors, rows), fresh_new_slots=True,
-                first_scored=step.prefill_first_scored, softcap=softcap)
+                first_scored=step.prefill_first_scored, softcap=softcap, k_scale=self.k_scale)
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                    scores: torch.Tensor, scale: float, softcap: float = 0.0,
@@ -83,7 +112,7 @@ class TritonOps:
             kernels.accumulate_decode_scores(
                 query[tokens], views.keys, step.block_table[rows], step.kv_seq_lens[rows],
                 scores, scale, query_weight=_take(weights, tokens), score_scale=_take(factors, rows),
-                softcap=softcap, sinks=sink_logits)
+                softcap=softcap, sinks=sink_logits, k_scale=self.k_scale)
         if step.prefill_rows is not None:
             tokens, rows = step.prefill_tokens, step.prefill_rows
             q, w = (query, weights) if tokens is None else (query[tokens], _take(weights, tokens))
@@ -92,7 +121,7 @@ class TritonOps:
                 step.kv_seq_lens[rows], scores, scale,
                 max_query_len=step.max_prefill_query_len, max_kv_len=step.max_prefill_kv_len,
                 query_weight=w, score_scale=_take(factors, rows), first_scored=step.prefill_first_scored,
-                softcap=softcap, sinks=sink_logits)
+                softcap=softcap, sinks=sink_logits, k_scale=self.k_scale)
 
     def compact(self, views: TritonCacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

@@ -69,7 +69,7 @@ def test_cuda_config_leaves_other_platforms_alone(monkeypatch):
     args = _engine_args()
     before = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
     cuda_config.adjust_engine_args(args, is_cuda=False)
-    cuda_config.check_vllm_config(SimpleNamespace(use_v2_model_runner=False), is_cuda=False)
+    cuda_config.check_vllm_config(_built(), is_cuda=False)
     assert V2 not in os.environ
     assert (dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))) == before
 
@@ -84,13 +84,28 @@ def _built(mode="PIECEWISE", splitting_ops=None, v2=False, cache_dtype="auto"):
 @pytest.mark.parametrize("built, words", [
     (dict(mode="FULL"), "cudagraph_mode=FULL"),
     (dict(splitting_ops=[]), "splitting ops"),
-    (dict(cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+    (dict(cache_dtype="fp8_per_token_head"), "Use --kv-cache-dtype fp8"),
+    (dict(cache_dtype="fp8_e5m2"), "fp8_e5m2 is untested"),
+    (dict(cache_dtype="int8_per_token_head"), "per-token-head"),
 ])
 def test_cuda_config_refuses_built_configs_h2o_cannot_run(built, words):
     from h2o_vllm.frontend import cuda_config
     with pytest.raises(ValueError, match="H2O KV eviction") as info:
         cuda_config.check_vllm_config(_built(**built), is_cuda=True)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3"])
+def test_an_fp8_cache_with_per_tensor_scales_passes_on_the_cuda_path_only(monkeypatch, cache_dtype):
+    from h2o_vllm.config import TRITON_ON_CPU_SWITCH
+    from h2o_vllm.frontend import cuda_config
+    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=True)
+    monkeypatch.delenv(TRITON_ON_CPU_SWITCH, raising=False)
+    with pytest.raises(ValueError, match="CPU backend") as info:
+        cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=False)
+    assert f"--kv-cache-dtype {cache_dtype}" in str(info.value) and "Drop --kv-cache-dtype" in str(info.value)
+    monkeypatch.setenv(TRITON_ON_CPU_SWITCH, "1")  # the CUDA path on the CPU
+    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=False)
 
 
 def test_cuda_config_accepts_piecewise_and_eager_on_either_runner():

@@ -179,3 +179,61 @@ def test_h2o_attention_rejects_bad_inputs():
         prefill_scores.accumulate_prefill_scores_from_lse(
             query, key_cache, block_table, int32([0, 1]), int32([5]),
             torch.zeros(1, 1, device=DEVICE), scores, 1.0)
+
+
+# --------------------------------------------------------------------------- fp8 caches
+
+def fp8_caches(key_cache, value_cache, k_scale, v_scale, dtype):
+    """An fp8 (e4m3) cache as vLLM stores ``x / scale`` (saturated, round to nearest even), and
+    what it reads back (``fp8 * scale`` in the query's dtype). NaN poison stays NaN."""
+    from h2o_vllm.oracle.stored_kv import through
+    stored = [(c.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for c, s in ((key_cache, k_scale), (value_cache, v_scale))]
+    read = [through(c, torch.float8_e4m3fn, s).to(dtype) for c, s in ((key_cache, k_scale), (value_cache, v_scale))]
+    return stored, read
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_fp8_cache_is_attended_and_scored_as_its_dequantised_values(dtype):
+    """The fused attention and both unfused score kernels over an fp8 cache with per-tensor
+    scales equal the same kernels over the values it stands for, in the query's dtype, bit for
+    bit: fp8 * scale is exact there, and nothing else changes."""
+    from h2o_vllm.kernels import decode_scores
+    head_size, group, block_size = 64, 3, 16
+    q_lens, kv_lens, key_cache, value_cache, scores, block_table, query, qsl = batch(
+        head_size, group, block_size, dtype)
+    k_scale, v_scale = 0.25, 3.0
+    (k8, v8), (kd, vd) = fp8_caches(key_cache, value_cache, k_scale, v_scale, dtype)
+    scale = head_size ** -0.5
+    want, got = scores.clone(), scores.clone()
+    want_out = fused_scores(query, kd, vd, block_table, qsl, q_lens, kv_lens, want, scale, {})
+    out = torch.empty_like(query)
+    offsets, num_keys = attention.decode_logit_offsets(torch.tensor(q_lens), torch.tensor(kv_lens))
+    lse = attention.h2o_attention(query, k8, v8, out, block_table, qsl, int32(kv_lens), scale,
+                                  scores=got, decode_offsets=offsets.to(DEVICE),
+                                  num_decode_keys=num_keys, k_scale=k_scale, v_scale=v_scale,
+                                  tile_n=16, score_tile=16)
+    rows = [r for r, n in enumerate(q_lens) if n > 1]
+    starts = qsl.tolist()
+    tokens = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in rows]).to(DEVICE)
+    prefill_scores.accumulate_prefill_scores_from_lse(
+        query[tokens], k8, block_table[rows],
+        int32([0] + torch.tensor([q_lens[r] for r in rows]).cumsum(0).tolist()),
+        int32([kv_lens[r] for r in rows]), lse[tokens], got, scale, fresh_new_slots=True,
+        k_scale=k_scale, block_m=16, block_n=16)
+    assert torch.equal(out, want_out) and torch.equal(got, want)
+    # The unfused kernels (the held draft queries', prefix-cache phases'): the same.
+    want, got = scores.clone(), scores.clone()
+    prefill_scores.accumulate_prefill_scores(query, kd, block_table, qsl, int32(kv_lens), want, scale,
+                                             block_m=16, block_n=16)
+    prefill_scores.accumulate_prefill_scores(query, k8, block_table, qsl, int32(kv_lens), got, scale,
+                                             k_scale=k_scale, block_m=16, block_n=16)
+    assert torch.equal(got, want)
+    decode = [r for r, n in enumerate(q_lens) if n == 1]
+    q = query[torch.tensor([starts[r] for r in decode], device=DEVICE)]
+    want, got = scores.clone(), scores.clone()
+    decode_scores.accumulate_decode_scores(q, kd, block_table[decode], int32([kv_lens[r] for r in decode]),
+                                           want, scale, block_n=16)
+    decode_scores.accumulate_decode_scores(q, k8, block_table[decode], int32([kv_lens[r] for r in decode]),
+                                           got, scale, k_scale=k_scale, block_n=16)
+    assert torch.equal(got, want)

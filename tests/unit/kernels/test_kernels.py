@@ -319,3 +319,23 @@ def test_launchers_reject_bad_inputs():
         prefill_scores.accumulate_prefill_scores(query, key_cache, block_table, int32([0, 1]), lens,
                                                  scores, 1.0, query_weight=ones,
                                                  score_scale=ones.double())
+
+
+def test_compact_rows_moves_an_fp8_cache_byte_for_byte():
+    """An fp8 cache is moved as bytes (no float conversion on the way): the same moves as the
+    torch twin's on the raw bytes."""
+    head_size, block_size, kv_lens = 64, 16, [100, 9, 70, 45]
+    key_cache, value_cache, scores, block_table = make_cache(kv_lens, head_size, block_size,
+                                                             torch.float32)
+    key_cache, value_cache = triton_layout(*(c.clamp(-448, 448).to(torch.float8_e4m3fn)
+                                             for c in (key_cache, value_cache)))
+    gen = torch.Generator().manual_seed(2)
+    rows, target = [0, 2, 3], 40
+    keep_idx = torch.stack([keep_patterns(kv_lens[r], target, gen) for r in rows]).to(DEVICE)
+    expected = [key_cache.view(torch.uint8).clone(), value_cache.view(torch.uint8).clone(), scores.clone()]
+    twins.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
+    compact_kernels.compact_rows(key_cache, value_cache, scores, block_table,
+                                 int32(rows), keep_idx, block_t=16, d_chunk_max=16)
+    assert torch.equal(key_cache.view(torch.uint8), expected[0])
+    assert torch.equal(value_cache.view(torch.uint8), expected[1])
+    assert torch.equal(scores, expected[2])

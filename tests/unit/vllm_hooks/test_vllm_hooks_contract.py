@@ -759,3 +759,18 @@ def test_vllm_ray_executor_copies_the_variables_h2o_lists(monkeypatch):
     share_env_with_ray_workers("H2O_VLLM_TEST_VAR")
     assert os.environ[RAY_COPY_ENV] == "OTHER_PLUGIN_VAR,H2O_VLLM_TEST_VAR"
     assert {"H2O_VLLM_TEST_VAR", "OTHER_PLUGIN_VAR"} <= get_env_vars_to_copy()
+
+
+def test_attention_layers_keep_their_fp8_scales_where_the_kv_scales_seam_reads_them():
+    """``vllm_hooks.kv_scales``: the host copies of an attention layer's fp8 scales, set to 1.0
+    when the layer is built (and replaced by calibrated ones at weight loading)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention import attention
+    from vllm.v1.attention.backend import AttentionLayer
+
+    from h2o_vllm.vllm_hooks.kv_scales import kv_scales
+    assert {"_k_scale_float", "_v_scale_float"} <= set(AttentionLayer.__annotations__)
+    source = inspect.getsource(attention)
+    assert "layer._k_scale_float = 1.0" in source and "layer._v_scale_float = 1.0" in source
+    assert kv_scales(SimpleNamespace(_k_scale_float=0.5, _v_scale_float=2)) == (0.5, 2.0)

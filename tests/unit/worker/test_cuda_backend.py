@@ -58,8 +58,11 @@ def test_impl_refuses_what_the_fused_attention_does_not_compute():
                                                     "logits_soft_cap": None}))
     H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "logits_soft_cap": 30.0}))  # in the scores
     H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "sinks": torch.zeros(4)}))  # so are sinks
+    for fp8 in ("fp8", "fp8_e4m3"):  # per-tensor scales: read by the kernels
+        H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": fp8}))
     for change, words in ((dict(alibi_slopes=torch.ones(4)), "ALiBi"),
-                          (dict(kv_cache_dtype="fp8"), "quantised KV cache"),
+                          (dict(kv_cache_dtype="fp8_per_token_head"), "quantised KV cache"),
+                          (dict(kv_cache_dtype="fp8_e5m2"), "quantised KV cache"),
                           (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type")):
         with pytest.raises(NotImplementedError, match=words):
             H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, **change}))
