@@ -13,6 +13,8 @@
 # two calls (each starts with the setup):
 #   ONLY=kernels,engine,load                          ~430 s
 #   ONLY=step_timing,throughput_stock,throughput_h2o  ~330 s
+# and, with a third call or a later lease, the fp8 KV cache at equal bytes:
+#   ONLY=throughput_stock_fp8,throughput_h2o_fp8      ~260 s (estimate: two engines as above)
 #
 # vLLM: the environment's, if `import vllm` works; otherwise the offline bundle (make gpu-bundle,
 # packaging/gpu_bundle/README.md), installed with pip --no-index --no-deps into a temporary
@@ -51,7 +53,8 @@ BLOCKS=${BLOCKS:-$(( 16 * (IN_LEN + OUT_LEN) / 16 ))}
 BUDGET_S=${BUDGET_S:-540}
 declare -A STEP_CAPS=([bundle_verify]=30 [bundle_install]=60 [imports]=90 [triton_compile]=180 [models]=45
                       [kernels]=90 [step_timing]=40 [engine]=240 [load]=55
-                      [throughput_stock]=120 [throughput_h2o]=120)
+                      [throughput_stock]=120 [throughput_h2o]=120
+                      [throughput_stock_fp8]=120 [throughput_h2o_fp8]=120)
 
 step() {  # step NAME COMMAND...: run under its cap, log to $OUT/NAME.log, record exit and seconds
   local name=$1; shift
@@ -145,6 +148,13 @@ gpu_step throughput_stock "${BENCH[@]}" --attention-backend TRITON_ATTN \
   --output-json "$OUT/throughput-stock.json"
 gpu_step throughput_h2o "${BENCH[@]}" --kv-eviction h2o --h2o-heavy-ratio 0.1 \
   --h2o-recent-ratio 0.1 --output-json "$OUT/throughput-h2o.json"
+# 6. fp8 KV cache (e4m3, per-tensor scales) at the same KV bytes, twice the blocks: stock fp8 vs
+#    H2O 20% + fp8 (issue 41; the flag's last value wins).
+gpu_step throughput_stock_fp8 "${BENCH[@]}" --attention-backend TRITON_ATTN --kv-cache-dtype fp8 \
+  --num-gpu-blocks-override $(( 2 * BLOCKS )) --output-json "$OUT/throughput-stock-fp8.json"
+gpu_step throughput_h2o_fp8 "${BENCH[@]}" --kv-eviction h2o --h2o-heavy-ratio 0.1 \
+  --h2o-recent-ratio 0.1 --kv-cache-dtype fp8 --num-gpu-blocks-override $(( 2 * BLOCKS )) \
+  --output-json "$OUT/throughput-h2o-fp8.json"
 
 "$PY" -m gpu_bundle.report "$OUT" "$STEPS_FILE"
 failed=$(awk '$2 != 0 {print $1}' "$STEPS_FILE" | tr '\n' ' ')

@@ -128,7 +128,8 @@ def test_gpu_check_dry_run_with_a_synthetic_bundle(tmp_path, tiny_llama_dir):
     assert doc["dry_run"] and doc["mode"] == "bundle"
     assert [(s["name"], s["exit"]) for s in doc["steps"]] == [
         ("bundle_verify", 0), ("bundle_install", 0), ("models", 0)]
-    for name in ("kernels", "step_timing", "engine", "load", "throughput_stock", "throughput_h2o"):
+    for name in ("kernels", "step_timing", "engine", "load", "throughput_stock", "throughput_h2o",
+                 "throughput_stock_fp8", "throughput_h2o_fp8"):
         assert "dry run, not started" in (out / f"{name}.log").read_text()
     assert "llama-8b-shape" in (out / "models.log").read_text()
 
