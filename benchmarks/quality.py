@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--passkey-text", default="gpl3",
                    help="filler text for (c); SmolLM2 fails even with the full cache on devil filler")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="fp8: the oracle's cache holds K/V as an fp8 (e4m3, scale 1) cache gives them "
+                        "back, every policy the full cache's included; (a) only (vLLM's CPU backend "
+                        "refuses fp8 with H2O)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--omp-threads", default="1", help="OMP_NUM_THREADS ('' = leave unset); see throughput.py")
     p.add_argument("--seed", type=int, default=0)
@@ -195,8 +199,9 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
 
     from h2o_devtools import bench
     from h2o_vllm.config import H2OConfig
-    from h2o_vllm.oracle import H2OOracle
+    from h2o_vllm.oracle import FP8_E4M3, H2OOracle, StoredKV
 
+    stored_kv = FP8_E4M3 if args.kv_cache_dtype == "fp8" else StoredKV()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     length = args.ppl_prompt_len + args.ppl_continuation_len
@@ -207,7 +212,8 @@ def streaming_ppl(args, model_dir: str, texts: dict[str, str], labels, progress)
         for label, policy, budget in labels:
             h2o = bench.h2o_config(policy, budget) if policy != "full" else None
             # interval 1: the paper's per-step eviction (what these numbers always were), not one block.
-            ref = H2OOracle(model, H2OConfig.from_dict({**h2o, "interval": 1}) if h2o else None)
+            ref = H2OOracle(model, H2OConfig.from_dict({**h2o, "interval": 1}) if h2o else None,
+                            stored_kv=stored_kv)
             nll, count, started = 0.0, 0, time.perf_counter()
             for w in windows(ids, args.ppl_windows, length):
                 logprobs = ref.score(lead + w[:args.ppl_prompt_len], w[args.ppl_prompt_len:])
@@ -247,6 +253,9 @@ def main(argv=None) -> dict:
         "model": model, "texts": list(texts), "policies": [lab for lab, _, _ in labels], "args": vars(args)},
         "policies": {lab: {"policy": pol, "budget": b} for lab, pol, b in labels}}
     tasks = args.tasks.split(",")
+    if args.kv_cache_dtype != "auto" and set(tasks) != {"ppl"}:
+        raise SystemExit("--kv-cache-dtype fp8 runs the perplexity task only (--tasks ppl): the "
+                         "generation and pass-key tasks use vLLM's CPU backend, which H2O runs unquantised")
     num_engines = 2 if {"gen", "passkey"} & set(tasks) else 0
     num_ppl = len(texts) * len(labels) * args.ppl_windows if "ppl" in tasks else 0
     bar = tqdm(total=num_engines + num_ppl, desc="quality", unit="step")
