@@ -41,10 +41,11 @@ _LAUNCHERS = {
     "compact_rows": "h2o_vllm.kernels.compact",
 }
 __all__ = sorted(_LAUNCHERS)
-_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_UNQUANTISED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: fp8 caches (vLLM's ``kv_cache_dtype`` fp8 / fp8_e4m3): stored ``x / scale``, read back as
 #: ``fp8 * scale`` in the query's dtype (the kernels' ``k_scale`` / ``v_scale``).
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+_CACHE_DTYPES = _UNQUANTISED_DTYPES + FP8_CACHE_DTYPES
 
 
 def __getattr__(name: str):
@@ -89,7 +90,7 @@ def check_query(query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int)
         raise ValueError(f"query must be [num_tokens, num_q_heads, {key_cache.shape[3]}], "
                          f"got {tuple(query.shape)}")
     if query.dtype != key_cache.dtype and not (key_cache.dtype in FP8_CACHE_DTYPES
-                                               and query.dtype in _CACHE_DTYPES[:3]):
+                                               and query.dtype in _UNQUANTISED_DTYPES):
         raise TypeError(f"query dtype {query.dtype} must match key_cache dtype {key_cache.dtype} "
                         "(or the cache be fp8)")
     if query.stride(-1) != 1:

@@ -404,16 +404,6 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
 
 
-@pytest.fixture(scope="module")
-def eagle_pair(tmp_path_factory):
-    """A one-layer target and an EAGLE-1 head that mirrors it (h2o_devtools.models.eagle): the
-    head drafts what the dense target generates, so drafts are accepted. (No "eagle" in the
-    target's path: vLLM takes a draft model whose path says "eagle" for an EAGLE head.)"""
-    from h2o_devtools.models import eagle
-    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("mirrored-target"))
-    return target, eagle.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
-
-
 @pytest.mark.parametrize("method, v2", [("eagle", "0"), ("eagle", "1"), ("draft_model", "1")],
                          ids=["eagle-v1", "eagle-v2", "draft_model-v2"])
 def test_model_drafters_on_the_cuda_path_equal_the_oracle(eagle_pair, method, v2):

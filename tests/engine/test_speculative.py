@@ -146,16 +146,6 @@ EAGLE_BUDGETS = {
 
 
 @pytest.fixture(scope="module")
-def eagle_pair(tmp_path_factory):
-    """A one-layer target an EAGLE-1 head can mirror, and that head (h2o_devtools.models.eagle):
-    it drafts what the dense target generates, so drafts are accepted wherever eviction left
-    the token unchanged."""
-    from h2o_devtools.models import eagle
-    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("mirrored-target"))
-    return target, eagle.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
-
-
-@pytest.fixture(scope="module")
 def eagle_prompts():
     return [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]  # 60-120 tokens, past every budget
 

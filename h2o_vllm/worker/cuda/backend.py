@@ -102,8 +102,7 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         a GPU's conversion stores (round to nearest even, saturated)."""
         if self.ops.fp8_dtype is None or kv_cache.device.type != "cpu":
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        self.ops.read_scales(layer)
-        self.ops.write_fp8(self.ops.cache_views(kv_cache), key, value, slot_mapping)
+        self.ops.write_fp8(self._views_of(kv_cache), key, value, slot_mapping)  # scales: forward's
 
     def has_sliding_window(self) -> bool:
         return tuple(self.sliding_window) != (-1, -1)
