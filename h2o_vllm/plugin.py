@@ -21,6 +21,7 @@ def register() -> None:
     _register_cuda_backend()
     vllm_hooks.install_triton_on_cpu()  # H2O_VLLM_TRITON_ON_CPU=1 only: the CUDA path on the CPU
     vllm_hooks.register_kv_cache_spec()
+    vllm_hooks.register_kv_connector()
     vllm_hooks.install_engine_args_hook()
     vllm_hooks.install_runner_hook()
     vllm_hooks.install_runner_v2_hook()

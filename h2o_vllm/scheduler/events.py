@@ -13,13 +13,16 @@ from h2o_vllm.policy import draft_step_limit, prefill_step_limit
 from h2o_vllm.scheduler.manager import H2OManager
 
 
-def add_request(managers: Sequence[H2OManager], request) -> None:
-    """Resolve the request's budget once (engine config + its ``extra_args`` overrides)."""
+def add_request(managers: Sequence[H2OManager], request, prompt_len: int | None = None) -> None:
+    """Resolve the request's budget once (engine config + its ``extra_args`` overrides) for
+    its H2O prompt length: vLLM's, or a KV-transfer consumer's shorter one
+    (``scheduler.transfer.TransferScheduler.prompt_len``)."""
     params = request.sampling_params
     extra_args = params.extra_args if params is not None else None
+    prompt_len = request.num_prompt_tokens if prompt_len is None else prompt_len
     for manager in managers:
-        manager.budgets.resolve(request.request_id, request.num_prompt_tokens, extra_args)
-        manager.prompt_lens[request.request_id] = request.num_prompt_tokens
+        manager.budgets.resolve(request.request_id, prompt_len, extra_args)
+        manager.prompt_lens[request.request_id] = prompt_len
 
 
 def finish_request(managers: Sequence[H2OManager], request_id: str) -> None:
@@ -38,12 +41,17 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
     docs/semantics.md, "Speculative decoding"). The tokens already known are never cut."""
     known = request.num_tokens + request.num_output_placeholders - num_computed_tokens
     for manager in managers:
-        budget = manager.budgets.resolve(request.request_id, request.num_prompt_tokens)
-        limit = prefill_step_limit(num_computed_tokens, request.num_prompt_tokens, budget.prefill_chunk)
+        prompt_len = manager.prompt_len_of(request)
+        budget = manager.budgets.resolve(request.request_id, prompt_len)
+        limit = prefill_step_limit(num_computed_tokens, prompt_len, budget.prefill_chunk)
+        if limit is None and num_computed_tokens < prompt_len < request.num_prompt_tokens:
+            # A transfer consumer computing its prompt itself: H2O's prompt ends before vLLM's,
+            # and its check (a compaction) comes at that end, as on the producer.
+            limit = prompt_len - num_computed_tokens
         if limit is not None:
             num_new_tokens = min(num_new_tokens, limit)
         if num_new_tokens > known:
-            limit = draft_step_limit(num_computed_tokens, request.num_prompt_tokens, budget)
+            limit = draft_step_limit(num_computed_tokens, prompt_len, budget)
             num_new_tokens = min(num_new_tokens, max(known, limit))
     return num_new_tokens
 
@@ -61,7 +69,7 @@ def cut_scheduled(managers: Sequence[H2OManager], scheduler_output, requests) ->
     for req_id in scheduler_output.num_scheduled_tokens:
         request = requests[req_id]
         for manager in managers:
-            manager.cut_scheduled(req_id, request.num_computed_tokens, request.num_prompt_tokens)
+            manager.cut_scheduled(req_id, request.num_computed_tokens, manager.prompt_len_of(request))
 
 
 def admission_watermark(managers: Sequence[H2OManager], base: int, request, num_new_tokens: int,

@@ -53,6 +53,38 @@ class H2OManager(FullAttentionManager):
         self.step_cached: set[int] = set()     # blocks first cached while scheduling this step
         self.awaiting: set[str] = set()        # waiting requests a record being written will serve
         self.waited: set[str] = set()          # requests that have waited for one already
+        # KV transfer (scheduler.transfer): requests whose prompt's state a connector loads,
+        # -> the KV positions it loads.
+        self.loaded: dict[str, int] = {}
+
+    def prompt_len_of(self, request) -> int:
+        """H2O's prompt length of ``request``: vLLM's, except for a KV-transfer consumer's
+        request, which continues the producer's shorter prompt (``scheduler.transfer``)."""
+        return self.prompt_lens.get(request.request_id, request.num_prompt_tokens)
+
+    def load(self, request_id: str, prompt_len: int, kv_len: int) -> None:
+        """A connector loads ``request_id``'s prompt state: ``kv_len`` live positions for a
+        ``prompt_len``-token prompt, so the request holds KV space for those, not the prompt."""
+        self.loaded[request_id] = kv_len
+        self.num_evicted[request_id] = prompt_len - kv_len
+
+    def unload(self, request_id: str) -> None:
+        """A load matched earlier is off (the request computes its prompt itself)."""
+        if self.loaded.pop(request_id, None) is not None:
+            self.num_evicted.pop(request_id, None)
+
+    def live_block_ids(self, request_id: str, kv_len: int) -> list[int]:
+        """The blocks that hold KV positions ``[0, kv_len)`` once the step being scheduled has
+        run: its first compaction's fresh blocks if it has them, else the list's head."""
+        blocks = self.fresh.get(request_id) or self.req_to_blocks.get(request_id, [])
+        return [b.block_id for b in blocks[:cdiv(kv_len, self.block_size)]]
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int, *args, **kwargs) -> None:
+        # vLLM counts blocks for the loaded prompt's tokens; H2O loads its live KV positions.
+        evicted = self.num_evicted.get(request_id, 0)
+        super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                  num_external_computed_tokens - evicted, *args, **kwargs)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -109,7 +141,7 @@ class H2OManager(FullAttentionManager):
         never compacts; for it the same horizon keeps one interval, about as optimistic as
         stock vLLM's admission.
         """
-        rid, prompt_len = request.request_id, request.num_prompt_tokens
+        rid, prompt_len = request.request_id, self.prompt_len_of(request)
         budget = self.budgets.resolve(rid, prompt_len)
         max_len = min(prompt_len + request.max_tokens, max_model_len)
         peak = cdiv(peak_kv_len(prompt_len, max_len, budget), self.block_size)
@@ -117,10 +149,14 @@ class H2OManager(FullAttentionManager):
         horizon = cdiv(max(budget.interval, budget.prefill_chunk or 0), self.block_size)
         # A recompute prefills its outputs too; a chunked prompt never holds more than its peak.
         prefill = cdiv(prefill_peak_kv_len(request.num_tokens, prompt_len, budget), self.block_size)
+        computed = request.num_computed_tokens
+        if rid in self.loaded:  # its prompt arrives compacted: it prefills nothing
+            prefill = cdiv(self.loaded[rid] + request.num_tokens - prompt_len, self.block_size)
+            computed = self.loaded[rid]
         self._admitted[rid] = (peak, prefill, horizon)
         reserve = sum(self._next_interval_claim(other, len(blocks))
                       for other, blocks in self.req_to_blocks.items() if other != rid)
-        allocating = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        allocating = cdiv(computed + num_new_tokens, self.block_size)
         if allocating < prefill:  # a chunked prefill claims the rest while others grow
             return prefill - allocating + reserve
         after = cdiv(kv_len_after(request.num_tokens, prompt_len, budget), self.block_size)
@@ -182,6 +218,7 @@ class H2OManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         self.num_evicted.pop(request_id, None)
+        self.loaded.pop(request_id, None)
         self._admitted.pop(request_id, None)
         self.forget_prefix_state(request_id)
         fresh = self.fresh.pop(request_id, [])
@@ -201,10 +238,10 @@ class H2OManager(FullAttentionManager):
         # Only blocks of the prompt, and only before the first compaction: past it the row is
         # in KV space, where a block no longer holds the tokens its hash names.
         rid = request.request_id
-        if self.num_evicted.get(rid, 0):
+        if self.num_evicted.get(rid, 0) or rid in self.loaded:  # a loaded prompt has no score records
             return
         before = self.num_cached_block.get(rid, 0)
-        super().cache_blocks(request, min(num_tokens, request.num_prompt_tokens), *args, **kwargs)
+        super().cache_blocks(request, min(num_tokens, self.prompt_len_of(request)), *args, **kwargs)
         # Hashed now, computed by the step being scheduled: not a hit before that step has run
         # (vLLM copies a hit before the step, from blocks that must already hold their K/V).
         new = self.req_to_blocks.get(rid, [])[before:self.num_cached_block.get(rid, 0)]

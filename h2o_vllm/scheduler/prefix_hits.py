@@ -36,7 +36,7 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     rid, block_size = request.request_id, manager.block_size
     manager.longest_match[rid] = num_hit_tokens // block_size
     manager.hit_records[rid] = None
-    budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
+    budget = manager.budgets.resolve(rid, manager.prompt_len_of(request))
     # A request recomputed after preemption may match past its own first compaction (another
     # prompt ran into its outputs); the block counts assume no hit reaches that far.
     # A chunked prompt (prefill_chunk) evicts before its end: no hit reaches past that either.
@@ -46,7 +46,7 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     matched = min(matched, reachable)
     if budget.obs_window is not None:
         # Queries before its first chunk's window add nothing: such a prefix scores all zeros.
-        first_scoring = first_scored(0, request.num_prompt_tokens, budget.prefill_chunk, budget.obs_window)
+        first_scoring = first_scored(0, manager.prompt_len_of(request), budget.prefill_chunk, budget.obs_window)
         return min(matched, first_scoring // block_size) * block_size
     cut = 0
     for num_blocks in range(matched, 0, -1):
@@ -81,7 +81,7 @@ def _await_longer_record(manager: H2OManager, request, budget, cut_blocks: int,
 def _blocks_before_first_compaction(manager: H2OManager, request, budget) -> int:
     """Whole blocks that end before the request's first compaction: what its hits and the
     records it writes may cover (the K/V and scores any request computes alike)."""
-    first = first_compaction(request.num_prompt_tokens, budget.tokens, budget.interval,
+    first = first_compaction(manager.prompt_len_of(request), budget.tokens, budget.interval,
                              budget.prefill_chunk)
     return (first - 1) // manager.block_size
 
@@ -102,11 +102,11 @@ def plan_records(manager: H2OManager, request, start: int) -> None:
     hits it exactly; and its prompt's last block boundary before the final token, which a
     repeat of the prompt or a next chat turn hits."""
     rid, block_size = request.request_id, manager.block_size
-    budget = manager.budgets.resolve(rid, request.num_prompt_tokens)
+    budget = manager.budgets.resolve(rid, manager.prompt_len_of(request))
     planned = manager.pending_records.setdefault(rid, [])
     if budget.obs_window is not None:  # its scores of a prefix would be zeros, of use to no one
         return
-    last = (request.num_prompt_tokens - 1) // block_size
+    last = (manager.prompt_len_of(request) - 1) // block_size
     reachable = _blocks_before_first_compaction(manager, request, budget)
     for num_blocks in sorted({manager.longest_match.get(rid, 0), last}):
         if num_blocks * block_size <= start or num_blocks > reachable:

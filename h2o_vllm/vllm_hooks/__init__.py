@@ -159,6 +159,15 @@ def register_kv_cache_spec() -> None:
     KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=H2OAttentionSpec)
 
 
+def register_kv_connector() -> None:
+    """``H2OStorageConnector`` by name in vLLM's connector registry (every process)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from h2o_vllm.vllm_hooks.connector import NAME
+    if NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(NAME, "h2o_vllm.vllm_hooks.connector", "H2OStorageConnector")
+
+
 # Re-exported: plugin.register() and the tests use the package as one namespace.
 from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
 from h2o_vllm.vllm_hooks.request_validation import install_request_validation_hook  # noqa: E402

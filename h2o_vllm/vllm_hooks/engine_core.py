@@ -36,9 +36,18 @@ def _h2o_managers(kv_cache_manager) -> list:
 def _add_request_wrapper(original):
     def add_request(self, request):
         if _h2o_of(self) is not None:
-            events.add_request(_h2o_managers(self.kv_cache_manager), request)
+            events.add_request(_h2o_managers(self.kv_cache_manager), request,
+                               _transfer_prompt_len(self.connector, request))
         return original(self, request)
     return add_request
+
+
+def _transfer_prompt_len(connector, request) -> int | None:
+    """H2O's prompt length of a KV-transfer consumer's request (None: vLLM's)."""
+    from h2o_vllm.vllm_hooks.connector import H2OStorageConnector
+    if isinstance(connector, H2OStorageConnector):
+        return connector.transfer.prompt_len(request)
+    return None
 
 
 def _free_blocks_wrapper(original):

@@ -72,6 +72,14 @@ def void_request_ids(scheduler_output) -> set[str]:
             | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
 
 
+def transferred_prompt_lens(scheduler_output) -> dict[str, int]:
+    """KV transfer: this step's requests whose H2O prompt is shorter than vLLM's
+    (``TransferOrders.prompt_lens``; H2O's connector metadata)."""
+    from h2o_vllm.vllm_hooks.connector import transfer_orders
+    orders = transfer_orders(scheduler_output)
+    return orders.prompt_lens if orders is not None else {}
+
+
 def scheduled_drafts(scheduler_output) -> dict[str, int]:
     """Speculative decoding: each request's draft tokens in this step (``StepPlan.draft_lens``)."""
     return {r: len(t) for r, t in (scheduler_output.scheduled_spec_decode_tokens or {}).items() if t}
@@ -83,7 +91,7 @@ def begin_step(state, scheduler_output,
     (``rewrite_row(request, group id, blocks)``), then keep this step's scheduler inputs."""
     from h2o_vllm.prefix_orders import ATTRIBUTE
     due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output),
-                           scheduled_drafts(scheduler_output))
+                           scheduled_drafts(scheduler_output), transferred_prompt_lens(scheduler_output))
     for (req_id, group_id), fresh in due.items():
         rewrite_row(req_id, group_id, fresh)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
-                                       h2o_builders, runner_state)
+                                       h2o_builders, runner_state, transferred_prompt_lens)
 from h2o_vllm.vllm_hooks.seam import _wrap
 
 
@@ -40,9 +40,11 @@ def _add_requests_wrapper(original):
     def add_requests(self, scheduler_output):
         state = runner_state(self)
         if state is not None:
+            prompt_lens = transferred_prompt_lens(scheduler_output)
             for new in scheduler_output.scheduled_new_reqs:
                 params = new.sampling_params
-                state.budgets.resolve(new.req_id, new.prompt_len, params.extra_args if params else None)
+                state.budgets.resolve(new.req_id, prompt_lens.get(new.req_id, new.prompt_len),
+                                      params.extra_args if params else None)
         return original(self, scheduler_output)
     return add_requests
 

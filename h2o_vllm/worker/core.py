@@ -193,6 +193,12 @@ class H2OImplMixin:
         return super().forward(layer, query, None, None, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
+    def cache_state(self, kv_cache: torch.Tensor):
+        """(the device's views of ``kv_cache``, this layer's score buffer): what KV transfer
+        reads and writes (``worker.transfer``)."""
+        views = self._views_of(kv_cache)
+        return views, self._scores_like(views)
+
     def _views_of(self, kv_cache: torch.Tensor):
         """The device's views of this layer's cache, made once: the runner hands every step the
         same tensor, and a layer's handful of view ops cost as much as a decode row's scores."""

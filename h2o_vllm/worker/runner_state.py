@@ -45,20 +45,29 @@ class RunnerState:
     rewrites: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     #: request -> its speculative draft tokens this step (the scheduler's; empty without any).
     drafts: Mapping[str, int] = field(default_factory=dict)
+    #: request -> its H2O prompt length where it is shorter than vLLM's (a KV-transfer
+    #: consumer's request, ``TransferOrders.prompt_lens``); the scheduler's, this step.
+    prompt_lens: Mapping[str, int] = field(default_factory=dict)
 
     def begin_step(self, orders: Mapping[int, PrefixOrders] | None, void_ids: Iterable[str],
-                   drafts: Mapping[str, int] | None = None) -> dict[tuple[str, int], list[int]]:
+                   drafts: Mapping[str, int] | None = None,
+                   prompt_lens: Mapping[str, int] | None = None) -> dict[tuple[str, int], list[int]]:
         """Take this step's scheduler inputs; returns the rewrites due before vLLM appends the
         step's new blocks (last step's, once)."""
         due, self.rewrites = self.rewrites, {}
         self.orders, self.void_ids, self.drafts = orders, frozenset(void_ids), drafts or {}
+        self.prompt_lens = prompt_lens or {}
         return due
 
     def plan(self, rows: BatchRows) -> StepPlan:
         draft_lens = None
         if self.drafts:
             draft_lens = torch.tensor([self.drafts.get(r, 0) for r in rows.req_ids], dtype=torch.int64)
-        return plan_batch(self.budgets, rows.req_ids, rows.num_computed, rows.prompt_lens,
+        prompt_lens = rows.prompt_lens
+        if self.prompt_lens:
+            prompt_lens = torch.tensor([self.prompt_lens.get(r, int(n)) for r, n in zip(rows.req_ids, prompt_lens)],
+                                       dtype=torch.int64)
+        return plan_batch(self.budgets, rows.req_ids, rows.num_computed, prompt_lens,
                           rows.query_lens, rows.extra_args_of, rows.live_request_ids,
                           orders=self.orders, void_ids=self.void_ids, draft_lens=draft_lens)
 

@@ -1,0 +1,129 @@
+"""TransferScheduler: the scheduler's side of moving a prompt's H2O state between engines.
+
+Runs in the engine-core process, behind H2O's KV connector (``vllm_hooks.connector``); never
+touches a tensor. The protocol (docs/kv-transfer.md): the producer prefills a prompt of ``L``
+tokens, compacts it by the request's budget and saves the live KV; the consumer is given
+that prompt plus the producer's first token and runs it as the producer's request continued:
+H2O prompt length ``L``, so the first token is a decode step, as in one engine. Why not the
+prompt alone with its last token recomputed (vLLM's NIXL protocol): that token's query saw the
+whole prompt, which a compacted cache no longer holds; the first token is the one thing only
+the producer can compute exactly, so it travels with the state.
+
+A consumer's request that continues a committed state loads it when nothing of it is
+computed yet and every rank file is whole; otherwise (a file missing or cut short, a local
+prefix hit first, a preempted request coming back) it computes the prompt itself, with the
+same H2O prompt length: the same tokens, at the cost of the prefill.
+"""
+from __future__ import annotations
+
+import logging
+
+from vllm.utils.math_utils import cdiv
+
+from h2o_vllm.config import H2OConfig, request_config
+from h2o_vllm.kv_store import KVStore, StoredPrompt, state_key
+from h2o_vllm.policy import kv_len_after
+from h2o_vllm.transfer_orders import KVMove, TransferOrders
+
+logger = logging.getLogger("vllm.h2o_vllm")
+
+
+class TransferScheduler:
+    def __init__(self, store: KVStore, config: H2OConfig, block_size: int, world_size: int,
+                 produces: bool, consumes: bool) -> None:
+        self.store, self.config, self.block_size = store, config, block_size
+        self.world_size, self.produces, self.consumes = world_size, produces, consumes
+        self.continuations: dict[str, tuple[str, StoredPrompt]] = {}  # consumer request -> its state
+        self.loading: dict[str, tuple[str, StoredPrompt]] = {}  # matched, awaiting allocation
+        self.loads: list[KVMove] = []                           # allocated, for the next orders
+        self.saving: dict[str, tuple[str, int, int]] = {}  # producer request -> (key, prompt, kv_len)
+        self.num_loaded = self.num_recomputed = 0
+
+    def _key(self, request, prompt_len: int) -> str:
+        params = request.sampling_params
+        config = request_config(self.config, params.extra_args if params is not None else None)
+        budget = config.budget(prompt_len, self.block_size)
+        return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size)
+
+    def prompt_len(self, request) -> int:
+        """H2O's prompt length for a request being added: ``L`` for a consumer's request that
+        is a committed prompt of ``L`` tokens plus its first token, else vLLM's."""
+        ids = request.prompt_token_ids or []
+        n = len(ids)
+        if not self.consumes or n < 2:
+            return n
+        key = self._key(request, n - 1)
+        stored = self.store.committed(key)
+        if stored is None or stored.prompt_len != n - 1 or stored.first_token != ids[-1]:
+            return n
+        self.continuations[request.request_id] = (key, stored)
+        return n - 1
+
+    def matched(self, request, num_local_computed: int, manager) -> int:
+        """Tokens the consumer loads for a waiting ``request`` (vLLM's
+        ``get_num_new_matched_tokens``): its whole H2O prompt, when nothing is computed yet and
+        the state is whole; else 0 (it computes the prompt itself)."""
+        rid = request.request_id
+        self.loading.pop(rid, None)
+        found = self.continuations.get(rid)
+        if found is None or request.num_computed_tokens or num_local_computed or request.num_preemptions:
+            manager.unload(rid)
+            return 0
+        key, stored = found
+        flaw = self.store.flaw(key, stored)
+        if stored.world_size != self.world_size:
+            flaw = f"it was saved by {stored.world_size} tensor-parallel ranks, this engine has {self.world_size}"
+        if flaw is not None:
+            del self.continuations[rid]  # computed here from now on; H2O's prompt stays L
+            manager.unload(rid)
+            self.num_recomputed += 1
+            logger.warning("h2o: request %s recomputes its prompt instead of loading the producer's "
+                           "KV state: %s", rid, flaw)
+            return 0
+        manager.load(rid, stored.prompt_len, stored.kv_len)
+        self.loading[rid] = found
+        return stored.prompt_len
+
+    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``request``'s blocks (its H2O group's ``block_ids``) for a load."""
+        found = self.loading.pop(request.request_id, None)
+        if found is None or not num_external_tokens:
+            return
+        key, stored = found
+        self.loads.append(KVMove(request.request_id, key,
+                                 tuple(block_ids[:cdiv(stored.kv_len, self.block_size)]), stored.kv_len))
+        self.num_loaded += 1
+
+    def orders(self, scheduler_output, requests, manager) -> TransferOrders:
+        """This step's orders: prompt lengths, the loads allocated since the last step, and
+        the saves of producer requests whose prompt ends with this step. Called while vLLM
+        builds the step's output, before it advances the requests' computed tokens."""
+        orders = TransferOrders(loads=self.loads)
+        self.loads = []
+        for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = requests[rid]
+            prompt_len = manager.prompt_len_of(request)
+            if prompt_len != request.num_prompt_tokens:
+                orders.prompt_lens[rid] = prompt_len
+            if (self.produces and rid not in self.continuations
+                    and request.num_computed_tokens + num_new == prompt_len > request.num_computed_tokens):
+                budget = manager.budgets.resolve(rid, prompt_len)
+                kv_len = kv_len_after(prompt_len, prompt_len, budget)
+                key = self._key(request, prompt_len)
+                orders.saves.append(KVMove(rid, key, tuple(manager.live_block_ids(rid, kv_len)), kv_len))
+                self.saving[rid] = (key, prompt_len, kv_len)
+        return orders
+
+    def finished(self, request) -> dict | None:
+        """A request finished (or was aborted): a producer's saved prompt is committed once its
+        first token exists; returns the ``kv_transfer_params`` for the client, or None."""
+        rid = request.request_id
+        self.continuations.pop(rid, None)
+        self.loading.pop(rid, None)
+        saved = self.saving.pop(rid, None)
+        if saved is None or not request.output_token_ids:
+            return None
+        key, prompt_len, kv_len = saved
+        self.store.commit(key, StoredPrompt(prompt_len=prompt_len, first_token=int(request.output_token_ids[0]),
+                                            kv_len=kv_len, world_size=self.world_size))
+        return {"h2o_kv_key": key, "h2o_kv_tokens": kv_len, "h2o_prompt_tokens": prompt_len}

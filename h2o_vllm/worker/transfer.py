@@ -1,0 +1,75 @@
+"""A prompt's H2O state in and out of the paged cache: the worker's side of KV transfer.
+
+Runs in the worker process; imports no vLLM. ``save`` runs after a step's forward, when every
+layer has written, scored and compacted the prompt (``worker.step``), so what it reads is
+exactly what the producer's engine keeps; ``load`` runs before the consumer's forward, into
+the blocks the scheduler allocated. Both go through the device's ``cache_views`` (the CPU's
+transposed K pages, Triton's layout, fp8 bytes alike) and the layer's score buffer, in the
+device-neutral layout ``[kv_len, kv_heads, head_size]`` (scores ``[kv_len, kv_heads]``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+
+from h2o_vllm.kv_store import KVStore
+from h2o_vllm.transfer_orders import KVMove, TransferOrders
+
+
+class StatefulLayer(Protocol):
+    """An H2O attention layer as transfer sees it (``H2OImplMixin.cache_state``)."""
+
+    def cache_state(self, kv_cache: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """(the device's views of ``kv_cache``, the layer's score buffer)."""
+
+
+def _slots(move: KVMove, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(move.kv_len)
+    blocks = torch.tensor(move.block_ids, dtype=torch.int64)[pos // block_size]
+    return blocks.to(device), (pos % block_size).to(device)
+
+
+def read_state(views, scores: torch.Tensor, move: KVMove) -> dict[str, torch.Tensor]:
+    """K, V and scores of ``move``'s live positions, on the CPU."""
+    blocks, offsets = _slots(move, views.keys.shape[1], views.keys.device)
+    return {"k": views.keys[blocks, offsets].cpu(), "v": views.values[blocks, offsets].cpu(),
+            "scores": scores[blocks, :, offsets].cpu()}
+
+
+def write_state(views, scores: torch.Tensor, move: KVMove, state: dict[str, torch.Tensor]) -> None:
+    """``read_state``'s inverse: the positions' K, V and scores into ``move``'s blocks."""
+    device = views.keys.device
+    blocks, offsets = _slots(move, views.keys.shape[1], device)
+    views.keys[blocks, offsets] = state["k"].to(device, views.keys.dtype)
+    views.values[blocks, offsets] = state["v"].to(device, views.values.dtype)
+    scores[blocks, :, offsets] = state["scores"].to(device, torch.float32)
+
+
+def save(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
+         store: KVStore, rank: int) -> int:
+    """Each ordered save as one file of this rank's heads; returns the bytes written."""
+    if not orders.saves:
+        return 0
+    states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
+    written = 0
+    for move in orders.saves:
+        tensors = {}
+        for name, views, scores in states:
+            tensors.update({f"{name}.{part}": t for part, t in read_state(views, scores, move).items()})
+        written += store.write_rank(move.key, rank, tensors)
+    return written
+
+
+def load(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
+         store: KVStore, rank: int) -> None:
+    """Each ordered load from this rank's file (the scheduler checked it is whole)."""
+    if not orders.loads:
+        return
+    states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
+    for move in orders.loads:
+        stored = store.read_rank(move.key, rank)
+        for name, views, scores in states:
+            write_state(views, scores, move,
+                        {part: stored[f"{name}.{part}"] for part in ("k", "v", "scores")})
