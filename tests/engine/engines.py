@@ -175,8 +175,9 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
         rid = request.request_id
         config = H2OConfig.from_dict(engine_h2o).with_overrides(
             {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items()})
-        budget = config.budget(request.num_prompt_tokens, block_size)
-        kv_len = kv_len_after(request.num_computed_tokens, request.num_prompt_tokens, budget)
+        prompt_len = groups[0][1].prompt_len_of(request)  # a KV-transfer consumer's is shorter
+        budget = config.budget(prompt_len, block_size)
+        kv_len = kv_len_after(request.num_computed_tokens, prompt_len, budget)
         for group, manager in groups:
             held = [b.block_id for b in manager.req_to_blocks[rid]]
             assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + slack, block_size), (rid, group, kv_len, len(held))
