@@ -75,6 +75,7 @@ class KVStore:
 
     def commit(self, key: str, prompt: StoredPrompt) -> None:
         path = self.folder(key) / META
+        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
         partial.write_text(json.dumps(dataclasses.asdict(prompt)))
         os.replace(partial, path)

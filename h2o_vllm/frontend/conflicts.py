@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from h2o_vllm.config import H2OConfig
+from h2o_vllm.frontend import kv_transfer_config
 
 _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
 
@@ -23,7 +24,7 @@ def check_engine_args(args: Any, h2o: H2OConfig) -> None:
     _check_speculative_args(args)
     kv_transfer = getattr(args, "kv_transfer_config", None)
     if kv_transfer is not None:
-        check_kv_transfer(kv_transfer, speculative=bool(_speculators(args)))
+        kv_transfer_config.check(kv_transfer, speculative=bool(_speculators(args)), way_out=_OFF)
     pp = getattr(args, "pipeline_parallel_size", 1) or 1
     if pp > 1:
         _refuse_pipeline_parallel(pp)
@@ -41,7 +42,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
                              "Pass --no-async-scheduling")
     kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer is not None:
-        check_kv_transfer(kv_transfer, speculative=spec is not None)
+        kv_transfer_config.check(kv_transfer, speculative=spec is not None, way_out=_OFF)
     parallel = getattr(vllm_config, "parallel_config", None)
     pp = getattr(parallel, "pipeline_parallel_size", 1) if parallel is not None else 1
     if pp > 1:
@@ -51,7 +52,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     if model is not None:
         check_model(model)
         if kv_transfer is not None:
-            _check_transfer_model(model)
+            kv_transfer_config.check_model(model, SLIDING_LAYERS, way_out=_OFF)
         check_budget_fits(h2o, model.max_model_len, vllm_config.cache_config.block_size)
 
 
@@ -210,61 +211,6 @@ def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> 
         raise ValueError(
             f"num_speculative_tokens={num_tokens} ({flag}) is more than H2O keeps for one "
             f"verification step ({MAX_PENDING - 1} drafts). Lower num_speculative_tokens, {_OFF}")
-
-
-#: The connector that carries H2O's state (``vllm_hooks.connector``), and vLLM's connector whose
-#: configuration it takes as it is (same roles, same ``shared_storage_path``) and runs in its place.
-H2O_CONNECTOR = "H2OStorageConnector"
-SETTLED_CONNECTORS = ("ExampleConnector",)
-
-
-def _kv_field(kv_transfer: Any, name: str):
-    return kv_transfer.get(name) if isinstance(kv_transfer, dict) else getattr(kv_transfer, name, None)
-
-
-def check_kv_transfer(kv_transfer: Any, speculative: bool = False) -> None:
-    """Refuse a KV connector that cannot carry H2O's state (``--kv-transfer-config``: a dict
-    as given, or vLLM's ``KVTransferConfig``), naming the one that can."""
-    name = _kv_field(kv_transfer, "kv_connector")
-    if name not in (H2O_CONNECTOR, *SETTLED_CONNECTORS):
-        raise ValueError(
-            f"the KV connector {name!r} (--kv-transfer-config) cannot be combined with H2O KV "
-            "eviction: it saves and loads whole blocks by token position, and after H2O's "
-            "compaction a block's slots hold each KV head's kept tokens, not a run of positions. "
-            f"H2O's state (kept K/V, scores) travels through {H2O_CONNECTOR}: pass "
-            '--kv-transfer-config \'{"kv_connector": "ExampleConnector", "kv_role": "kv_producer", '
-            '"kv_connector_extra_config": {"shared_storage_path": "<a folder both engines see>"}}\' '
-            f"(H2O runs {H2O_CONNECTOR} in its place; kv_consumer on the decode side), {_OFF}")
-    if speculative:
-        raise ValueError(
-            "speculative decoding with a KV connector (--kv-transfer-config with "
-            "--speculative-config) cannot be combined with H2O KV eviction yet: the connector "
-            "moves H2O's layers only, not a drafter's. Drop one of the two, " + _OFF)
-
-
-def settle_kv_transfer(args: Any) -> bool:
-    """Run H2O's connector where the user named vLLM's ``ExampleConnector`` (same roles and
-    storage path); True if it did."""
-    kv_transfer = getattr(args, "kv_transfer_config", None)
-    if kv_transfer is None or _kv_field(kv_transfer, "kv_connector") not in SETTLED_CONNECTORS:
-        return False
-    if isinstance(kv_transfer, dict):
-        kv_transfer["kv_connector"] = H2O_CONNECTOR
-    else:
-        kv_transfer.kv_connector = H2O_CONNECTOR
-    return True
-
-
-def _check_transfer_model(model_config: Any) -> None:
-    """H2O's connector moves the H2O layers' state; a hybrid model's sliding-window layers
-    would need vLLM's own transfer beside it."""
-    layer_types = getattr(model_config.hf_text_config, "layer_types", None) or ()
-    if any(t in SLIDING_LAYERS for t in layer_types):
-        raise ValueError(
-            f"{getattr(model_config, 'model', 'this model')}: a KV connector (--kv-transfer-config) "
-            "cannot be combined with H2O KV eviction on a model with sliding-window layers: H2O's "
-            "connector moves the full-attention layers' kept KV only. Drop --kv-transfer-config, "
-            + _OFF)
 
 
 def _refuse_split_batches(parallel: Any) -> None:

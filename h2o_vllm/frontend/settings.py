@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from h2o_vllm.config import H2OConfig, config_from_additional
-from h2o_vllm.frontend import conflicts, cuda_config
+from h2o_vllm.frontend import conflicts, cuda_config, kv_transfer_config
 
 logger = logging.getLogger("vllm.h2o_vllm")  # vLLM's handler prints its "vllm." loggers
 
@@ -24,9 +24,9 @@ def settle_engine_args(args: Any) -> H2OConfig | None:
     if h2o is None:
         return None
     conflicts.check_engine_args(args, h2o)
-    if conflicts.settle_kv_transfer(args):
+    if kv_transfer_config.settle(args):
         logger.info("h2o: the KV connector is %s (vLLM's ExampleConnector settings; it carries H2O's "
-                    "kept KV and scores: docs/kv-transfer.md)", conflicts.H2O_CONNECTOR)
+                    "kept KV and scores: docs/kv-transfer.md)", kv_transfer_config.H2O_CONNECTOR)
     if conflicts.settle_async_scheduling(args):
         logger.warning("async scheduling is off: H2O with a draft model or EAGLE head verifies each step's drafts "
                        "before it places the next compaction (docs/semantics.md, \"Speculative "

@@ -4,7 +4,7 @@ Both sides are thin: the scheduler's calls go to ``scheduler.transfer.TransferSc
 worker's to ``worker.transfer``. Users keep vLLM's flag and connector name:
 ``{"kv_connector": "ExampleConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
 "kv_connector_extra_config": {"shared_storage_path": ...}}`` runs this class in its place
-(``frontend.conflicts.settle_kv_transfer``); its name is ``H2OStorageConnector``.
+(``frontend.kv_transfer_config.settle``); its name is ``H2OStorageConnector``.
 Why a connector of our own and not a wrapper of vLLM's: a stock connector moves whole blocks
 by token position, and after compaction position ``t`` of a block is no token in particular;
 what must travel (live K/V per head, their scores) is H2O's, and so is when (after the
@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 
 from h2o_vllm.config import h2o_config
-from h2o_vllm.frontend.conflicts import H2O_CONNECTOR
+from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR
 from h2o_vllm.kv_store import KVStore
 from h2o_vllm.transfer_orders import TransferOrders
 

@@ -85,11 +85,41 @@ def test_speculators_h2o_cannot_run_exactly_are_refused_naming_the_way_out(kwarg
         assert f"drop {flag}" in message
 
 
-def test_kv_transfer_connector_refused():
+@pytest.mark.parametrize("name", ["NixlConnector", "OffloadingConnector", "LMCacheConnectorV1",
+                                  "MultiConnector", "SimpleCPUOffloadConnector"])
+def test_connectors_that_move_blocks_by_position_are_refused_naming_h2os(name):
     from vllm.config import KVTransferConfig
-    kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    kv = KVTransferConfig(kv_connector=name, kv_role="kv_both")
     message = _refusal(conflicts.check_engine_args, _args(kv_transfer_config=kv), H2O)
-    assert "--kv-transfer-config" in message and "Drop --kv-transfer-config" in message
+    assert name in message and "--kv-transfer-config" in message and "ExampleConnector" in message
+    assert "by token position" in message and "turn H2O KV eviction off" in message
+
+
+@pytest.mark.parametrize("as_dict", [True, False])
+def test_example_connector_settings_run_h2os_connector(as_dict):
+    from vllm.config import KVTransferConfig
+
+    from h2o_vllm.frontend import kv_transfer_config
+    fields = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": "/somewhere"}}
+    args = _args(kv_transfer_config=dict(fields) if as_dict else KVTransferConfig(**fields))
+    conflicts.check_engine_args(args, H2O)
+    assert kv_transfer_config.settle(args)
+    settled = args.kv_transfer_config
+    name = settled["kv_connector"] if as_dict else settled.kv_connector
+    assert name == "H2OStorageConnector"
+    assert not kv_transfer_config.settle(args)  # settled once; named directly it passes as it is
+    conflicts.check_engine_args(args, H2O)
+
+
+def test_a_connector_with_a_speculator_or_a_sliding_window_model_is_refused():
+    kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    message = _refusal(conflicts.check_engine_args, _args(kv_transfer_config=kv, speculative_config=spec), H2O)
+    assert "--speculative-config" in message and "drafter" in message
+    hybrid = _model(hf={"layer_types": ["sliding_attention", "full_attention"]})
+    message = _refusal(conflicts.check_vllm_config, _vllm_config(hybrid, kv_transfer_config=kv), H2O)
+    assert "sliding-window layers" in message and "--kv-transfer-config" in message
 
 
 def test_pipeline_parallel_refused_with_the_way_out():

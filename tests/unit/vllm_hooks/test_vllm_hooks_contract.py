@@ -110,6 +110,7 @@ SIGNATURES = {
 }
 
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
+_KV_BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 # vLLM methods our subclasses override or the hooks call directly (not through _require).
 OVERRIDDEN = {
@@ -158,6 +159,23 @@ OVERRIDDEN = {
         ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
     f"{_CPU_ATTN}:CPUAttentionBackend.get_supported_kernel_block_sizes": ["kv_cache_spec"],
     "vllm.utils.math_utils:cdiv": ["a", "b"],
+    # KV transfer: H2OManager's allocation of a load, H2OStorageConnector's overrides.
+    f"{_STM}:SingleTypeKVCacheManager.allocate_external_computed_blocks": [
+        "self", "request_id", "num_local_computed_tokens", "num_external_computed_tokens",
+        "record_for_zeroing"],
+    f"{_KV_BASE}.__init__": ["self", "vllm_config", "role", "kv_cache_config"],
+    f"{_KV_BASE}.on_new_request": ["self", "request"],
+    f"{_KV_BASE}.get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
+    f"{_KV_BASE}.update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
+    f"{_KV_BASE}.build_connector_meta": ["self", "scheduler_output"],
+    f"{_KV_BASE}.request_finished": ["self", "request", "block_ids"],
+    f"{_KV_BASE}.start_load_kv": ["self", "forward_context", "kwargs"],
+    f"{_KV_BASE}.wait_for_layer_load": ["self", "layer_name"],
+    f"{_KV_BASE}.save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
+    f"{_KV_BASE}.wait_for_save": ["self"],
+    f"{_KV_BASE}._get_connector_metadata": ["self"],
+    "vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory.register_connector":
+        ["name", "module_path", "class_name"],
 }
 
 # Captured at import, before this test module calls register(). When another test in this
@@ -350,6 +368,28 @@ def test_every_prefill_step_passes_the_lookahead_reservation_last():
     last_cap = max(source.rfind("num_new_tokens = min(num_new_tokens, request_token_budget)", 0, calls[1]),
                    source.rfind("num_new_tokens = min(\n", 0, calls[0]))
     assert last_cap != -1
+
+
+def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
+    """``TransferScheduler``: ``on_new_request`` runs in ``add_request`` (after H2O's hook has
+    resolved the request's prompt length); a load is allocated through ``allocate_slots``
+    (``num_external_computed_tokens`` by keyword, so ``H2OManager`` counts KV space) and then
+    reported by ``update_state_after_alloc``; a step with a load loads before its forward
+    (``has_sync_kv_loads``); the connector's metadata is built before vLLM advances the
+    requests' computed tokens (``orders`` reads them as of the step's start); the worker
+    finds the attention layers on the forward context (``no_compile_layers``)."""
+    source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
+    assert "num_external_computed_tokens=num_external_computed_tokens" in source
+    assert source.index("self.kv_cache_manager.allocate_slots(") < source.index(
+        "self.connector.update_state_after_alloc(")
+    assert "has_sync_kv_loads = True" in source
+    assert source.index("self._build_kv_connector_meta(") < source.index("self._update_after_schedule(")
+    assert "self.connector.on_new_request(request)" in inspect.getsource(
+        _resolve(f"{_SCHEDULER}.add_request")[1])
+    mixin = inspect.getsource(importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin"))
+    assert "start_after_forward = not scheduler_output.has_sync_kv_loads" in mixin
+    from vllm.forward_context import ForwardContext
+    assert "no_compile_layers" in {f.name for f in dataclasses.fields(ForwardContext)}
 
 
 def test_admission_checks_the_whole_sequence_with_the_admission_cap():
@@ -615,7 +655,9 @@ def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
 
 def test_pure_modules_import_no_vllm():
     # The pure modules, and the oracle: the independent side of every engine test.
-    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.budgets, h2o_vllm.oracle; "
+    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.budgets, h2o_vllm.oracle, "
+            "h2o_vllm.kv_store, h2o_vllm.transfer_orders, h2o_vllm.worker.transfer, "
+            "h2o_vllm.frontend.kv_transfer_config; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

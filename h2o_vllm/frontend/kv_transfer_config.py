@@ -1,0 +1,61 @@
+"""``--kv-transfer-config`` with H2O: which connector carries H2O's state, settled and checked
+before the model loads (called from ``frontend.settings`` and ``frontend.conflicts``).
+
+Pure logic over the config as given (a dict, or vLLM's ``KVTransferConfig``). The connector
+itself is ``vllm_hooks.connector.H2OStorageConnector`` (docs/kv-transfer.md).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+#: The connector that carries H2O's state, and vLLM's connectors whose settings it takes as
+#: they are (same roles, same ``shared_storage_path``) and runs in their place.
+H2O_CONNECTOR = "H2OStorageConnector"
+SETTLED_CONNECTORS = ("ExampleConnector",)
+
+
+def _field(kv_transfer: Any, name: str):
+    return kv_transfer.get(name) if isinstance(kv_transfer, dict) else getattr(kv_transfer, name, None)
+
+
+def check(kv_transfer: Any, speculative: bool, way_out: str) -> None:
+    """Refuse a connector that cannot carry H2O's state, naming the one that can."""
+    name = _field(kv_transfer, "kv_connector")
+    if name not in (H2O_CONNECTOR, *SETTLED_CONNECTORS):
+        raise ValueError(
+            f"the KV connector {name!r} (--kv-transfer-config) cannot be combined with H2O KV "
+            "eviction: it saves and loads whole blocks by token position, and after H2O's "
+            "compaction a block's slots hold each KV head's kept tokens, not a run of positions. "
+            f"H2O's state (kept K/V, scores) travels through {H2O_CONNECTOR}: pass "
+            '--kv-transfer-config \'{"kv_connector": "ExampleConnector", "kv_role": "kv_producer", '
+            '"kv_connector_extra_config": {"shared_storage_path": "<a folder both engines see>"}}\' '
+            f"(H2O runs {H2O_CONNECTOR} in its place; kv_consumer on the decode side), {way_out}")
+    if speculative:
+        raise ValueError(
+            "speculative decoding with a KV connector (--kv-transfer-config with "
+            "--speculative-config) cannot be combined with H2O KV eviction yet: the connector "
+            f"moves H2O's layers only, not a drafter's. Drop one of the two, {way_out}")
+
+
+def settle(args: Any) -> bool:
+    """Run H2O's connector where the user named one of ``SETTLED_CONNECTORS``; True if it did."""
+    kv_transfer = getattr(args, "kv_transfer_config", None)
+    if kv_transfer is None or _field(kv_transfer, "kv_connector") not in SETTLED_CONNECTORS:
+        return False
+    if isinstance(kv_transfer, dict):
+        kv_transfer["kv_connector"] = H2O_CONNECTOR
+    else:
+        kv_transfer.kv_connector = H2O_CONNECTOR
+    return True
+
+
+def check_model(model_config: Any, sliding_layers: Sequence[str], way_out: str) -> None:
+    """H2O's connector moves the H2O layers' state; a hybrid model's sliding-window layers
+    would need vLLM's own transfer beside it."""
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None) or ()
+    if any(t in sliding_layers for t in layer_types):
+        raise ValueError(
+            f"{getattr(model_config, 'model', 'this model')}: a KV connector (--kv-transfer-config) "
+            "cannot be combined with H2O KV eviction on a model with sliding-window layers: H2O's "
+            f"connector moves the full-attention layers' kept KV only. Drop --kv-transfer-config, {way_out}")

@@ -1,0 +1,129 @@
+"""scheduler.transfer.TransferScheduler: which consumer requests continue a stored prompt, when
+they load, what the producer saves and commits. A real H2OManager and vLLM's real Request."""
+from types import SimpleNamespace
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request
+
+from h2o_vllm import vllm_hooks  # noqa: F401  (first: the scheduler modules import each other through it)
+from h2o_vllm.config import H2OConfig
+from h2o_vllm.kv_store import KVStore, StoredPrompt, state_key
+from h2o_vllm.policy import kv_len_after
+from h2o_vllm.scheduler import events
+from h2o_vllm.scheduler.manager import H2OManager
+from h2o_vllm.scheduler.spec import H2OAttentionSpec
+from h2o_vllm.scheduler.transfer import TransferScheduler
+
+BLOCK = 16
+CONFIG = H2OConfig.from_dict({"heavy_tokens": 8, "recent_tokens": 8})
+PROMPT = list(range(100, 140))  # 40 tokens: compacted to 16 at its end
+BUDGET = CONFIG.budget(len(PROMPT), BLOCK)
+
+
+def _manager() -> H2OManager:
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    return H2OManager(H2OAttentionSpec.from_full(full, CONFIG), block_pool=pool, enable_caching=False,
+                      kv_cache_group_id=0, scheduler_block_size=BLOCK)
+
+
+def _request(rid: str, ids: list[int]) -> Request:
+    return Request(rid, ids, SamplingParams(max_tokens=8), None)
+
+
+def _transfer(tmp_path, produces=False, consumes=True, world_size=1) -> TransferScheduler:
+    return TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, world_size, produces, consumes)
+
+
+def _stored(tmp_path, first_token=7, world_size=1) -> str:
+    store, key = KVStore(tmp_path), state_key(PROMPT, BUDGET, BLOCK)
+    for rank in range(world_size):
+        store.write_rank(key, rank, {"l.k": torch.zeros(16, 2, 4)})
+    store.commit(key, StoredPrompt(len(PROMPT), first_token, kv_len_after(40, 40, BUDGET), world_size))
+    return key
+
+
+def test_a_committed_prompt_plus_its_first_token_continues_the_producers_request(tmp_path):
+    _stored(tmp_path)
+    transfer, manager = _transfer(tmp_path), _manager()
+    consumer = _request("c", PROMPT + [7])
+    assert transfer.prompt_len(consumer) == 40
+    events.add_request([manager], consumer, 40)
+    assert manager.prompt_len_of(consumer) == 40
+    # Another first token, another prompt, or a producer: vLLM's prompt length.
+    assert transfer.prompt_len(_request("x", PROMPT + [8])) == 41
+    assert transfer.prompt_len(_request("y", PROMPT[1:] + [7])) == 40
+    assert _transfer(tmp_path, consumes=False).prompt_len(consumer) == 41
+    # It loads its 16 live positions: KV space for those and the next token, not the prompt.
+    assert transfer.matched(consumer, 0, manager) == 40
+    assert manager.num_evicted["c"] == 24
+    assert manager.get_num_blocks_to_allocate("c", 41, (), 40, 0, 41) == 2
+    manager.allocate_external_computed_blocks("c", 0, 40)
+    assert len(manager.req_to_blocks["c"]) == 1
+    new = manager.allocate_new_blocks("c", 41, 41)
+    blocks = [b.block_id for b in manager.req_to_blocks["c"]]
+    assert len(new) == 1 and len(blocks) == 2
+    transfer.allocated(consumer, blocks, 40)
+    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={"c": 1}), {"c": consumer}, manager)
+    (load,) = orders.loads
+    assert load.block_ids == tuple(blocks[:1]) and load.kv_len == 16
+    assert orders.prompt_lens == {"c": 40} and not orders.saves
+    assert transfer.num_loaded == 1
+
+
+def test_a_flawed_state_or_a_computed_prefix_is_not_loaded(tmp_path):
+    key = _stored(tmp_path, world_size=2)
+    manager = _manager()
+    transfer = _transfer(tmp_path)
+    consumer = _request("c", PROMPT + [7])
+    assert transfer.prompt_len(consumer) == 40
+    assert transfer.matched(consumer, 16, manager) == 0  # a local prefix hit first
+    KVStore(tmp_path).rank_path(key, 1).unlink()
+    assert transfer.matched(consumer, 0, manager) == 0  # rank 1's file is gone
+    assert transfer.num_recomputed == 1 and "c" not in manager.num_evicted
+    # Another tensor-parallel size: the heads are split otherwise.
+    _stored(tmp_path, world_size=1)
+    other = _transfer(tmp_path, world_size=2)
+    consumer2 = _request("d", PROMPT + [7])
+    other.prompt_len(consumer2)
+    assert other.matched(consumer2, 0, manager) == 0
+
+
+def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(tmp_path):
+    transfer, manager = _transfer(tmp_path, produces=True, consumes=False), _manager()
+    producer = _request("p", PROMPT)
+    events.add_request([manager], producer, transfer.prompt_len(producer))
+    manager.allocate_new_blocks("p", 32, 32)
+    step = SimpleNamespace(num_scheduled_tokens={"p": 32})
+    assert not transfer.orders(step, {"p": producer}, manager).saves  # mid-prompt
+    producer.num_computed_tokens = 32
+    manager.allocate_new_blocks("p", 40, 40)
+    step = SimpleNamespace(num_scheduled_tokens={"p": 8})
+    (save,) = transfer.orders(step, {"p": producer}, manager).saves
+    key = state_key(PROMPT, BUDGET, BLOCK)
+    assert save.key == key and save.kv_len == 16 and len(save.block_ids) == 1
+    assert transfer.finished(producer) is None  # no first token (aborted): nothing committed
+    assert KVStore(tmp_path).committed(key) is None
+    transfer.orders(step, {"p": producer}, manager)
+    producer.append_output_token_ids(9)
+    params = transfer.finished(producer)
+    assert params == {"h2o_kv_key": key, "h2o_kv_tokens": 16, "h2o_prompt_tokens": 40}
+    assert KVStore(tmp_path).committed(key) == StoredPrompt(40, 9, 16, 1)
+
+
+def test_a_consumer_computing_its_prompt_stops_a_step_at_h2os_prompt_end(tmp_path):
+    """The check at the prompt's end (a compaction) must see the step end there, as on the
+    producer; the first token is then a decode step."""
+    _stored(tmp_path)
+    transfer, manager = _transfer(tmp_path), _manager()
+    consumer = _request("c", PROMPT + [7])
+    events.add_request([manager], consumer, transfer.prompt_len(consumer))
+    assert events.limit_step([manager], consumer, 0, 41) == 40
+    assert events.limit_step([manager], consumer, 16, 25) == 24
+    assert events.limit_step([manager], consumer, 40, 1) == 1
+    plain = _request("q", PROMPT + [7])
+    events.add_request([manager], plain)
+    assert events.limit_step([manager], plain, 0, 41) == 41

@@ -1,0 +1,69 @@
+"""h2o_vllm.worker.transfer: a prompt's live KV positions out of one paged cache and into
+another, in both devices' layouts (CPU vec pages, Triton's; fp8 bytes), with their scores."""
+import pytest
+import torch
+
+from h2o_vllm.kv_store import KVStore
+from h2o_vllm.transfer_orders import KVMove, TransferOrders
+from h2o_vllm.worker import transfer
+from h2o_vllm.worker.cpu.layout import cache_views
+from h2o_vllm.worker.cuda.ops import TritonOps
+
+NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE = 8, 4, 2, 8
+
+
+class Layer:
+    """An H2O layer as transfer sees it: the device's views and a score buffer."""
+
+    def __init__(self, views_of, dtype=torch.float32):
+        self.views_of = views_of
+        self.kv_cache = torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE, dtype=dtype)
+        self.scores = torch.zeros(NUM_BLOCKS, HEADS, BLOCK)
+
+    def cache_state(self, kv_cache):
+        return self.views_of(kv_cache), self.scores
+
+
+LAYOUTS = {
+    "cpu": (cache_views, torch.float32),
+    "triton": (TritonOps(HEAD_SIZE).cache_views, torch.float32),
+    "triton-fp8": (TritonOps(HEAD_SIZE, torch.float8_e4m3fn).cache_views, torch.uint8),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_saved_positions_load_into_other_blocks_unchanged(tmp_path, layout):
+    views_of, dtype = LAYOUTS[layout]
+    producer, consumer = Layer(views_of, dtype), Layer(views_of, dtype)
+    views = views_of(producer.kv_cache)
+    if dtype == torch.uint8:
+        producer.kv_cache.copy_(torch.randint(0, 120, producer.kv_cache.shape, dtype=torch.uint8))
+    else:
+        producer.kv_cache.normal_()
+    producer.scores.uniform_()
+    store = KVStore(tmp_path)
+    kv_len = 10  # three blocks, the last one part full
+    save = KVMove("r", "key", (5, 2, 7), kv_len)
+    written = transfer.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache)], store, 0)
+    assert written == store.rank_path("key", 0).stat().st_size
+    stored = store.read_rank("key", 0)
+    assert stored["l0.k"].shape == (kv_len, HEADS, HEAD_SIZE) and stored["l0.scores"].shape == (kv_len, HEADS)
+    load = KVMove("r", "key", (1, 6, 3), kv_len)
+    transfer.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache)], store, 0)
+    got = views_of(consumer.kv_cache)
+    for pos in range(kv_len):
+        src, dst = (save.block_ids[pos // BLOCK], pos % BLOCK), (load.block_ids[pos // BLOCK], pos % BLOCK)
+        for part in ("keys", "values"):
+            assert torch.equal(_bits(getattr(got, part)[dst]), _bits(getattr(views, part)[src]))
+        assert torch.equal(consumer.scores[dst[0], :, dst[1]], producer.scores[src[0], :, src[1]])
+    # Nothing past the live positions was written: block 3's last two slots, other blocks.
+    untouched = torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.bool)
+    for pos in range(kv_len):
+        untouched[load.block_ids[pos // BLOCK], pos % BLOCK] = False
+    assert not consumer.scores.transpose(1, 2)[untouched].any()
+    assert not _bits(got.keys[untouched]).any()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 compared as its bytes (torch has no fp8 equality)."""
+    return t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
