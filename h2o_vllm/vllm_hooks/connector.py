@@ -93,9 +93,10 @@ class H2OStorageConnector(KVConnectorBase_V1):
 
     # Worker side.
 
-    def _layers(self, forward_context):
-        """(name, impl, kv_cache) of each H2O attention layer."""
-        for name, layer in forward_context.no_compile_layers.items():
+    def _layers(self):
+        """(name, impl, kv_cache) of each H2O attention layer (read from the config, not the
+        forward context: Model Runner V2 saves after it has closed)."""
+        for name, layer in self._vllm_config.compilation_config.static_forward_context.items():
             impl = getattr(layer, "impl", None)
             if getattr(impl, "h2o", None) is not None and hasattr(impl, "cache_state"):
                 yield name, impl, layer.kv_cache
@@ -104,7 +105,7 @@ class H2OStorageConnector(KVConnectorBase_V1):
         orders = self._get_connector_metadata().orders
         if orders.loads:
             from h2o_vllm.worker import transfer
-            transfer.load(orders, self._layers(forward_context), self.store, _rank())
+            transfer.load(orders, self._layers(), self.store, _rank())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -115,10 +116,8 @@ class H2OStorageConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         orders = self._get_connector_metadata().orders
         if orders.saves:
-            from vllm.forward_context import get_forward_context
-
             from h2o_vllm.worker import transfer
-            transfer.save(orders, self._layers(get_forward_context()), self.store, _rank())
+            transfer.save(orders, self._layers(), self.store, _rank())
 
 
 def _rank() -> int:

@@ -346,6 +346,52 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
     return outputs, hits
 
 
+# --------------------------------------------------------------------------- KV transfer
+
+# A producer and a consumer engine in turn over one storage folder (tests/engine/
+# test_kv_transfer.py has the CPU path's matrix and faults): V1 synchronous, and V2 with async
+# scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache holds).
+TRANSFER_CASES = {"v1-chunked-sync-auto": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"}),
+                  "v2-chunked-async-fp8": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
+                                               env={V2_ENV: "1"})}
+TRANSFER_BUDGETS = ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1", "ratio-0.1+0.1-block"]
+
+
+@pytest.mark.parametrize("engine", list(TRANSFER_CASES))
+def test_cuda_kv_transfer_pair_matches_the_oracle(tiny_llama_dir, hf_model, tmp_path, engine):
+    from h2o_vllm.oracle import FP8_E4M3, StoredKV
+    kwargs = TRANSFER_CASES[engine]
+    outputs, loaded = _serve(transfer_pair, tiny_llama_dir, kwargs, str(tmp_path))
+    stored = FP8_E4M3 if kwargs.get("kv_cache_dtype") == "fp8" else StoredKV()
+    n = len(PROMPTS)
+    for i, name in enumerate(TRANSFER_BUDGETS):
+        want = oracle(hf_model, BUDGETS.get(name) or MODES[name], BLOCK, stored_kv=stored)
+        assert outputs[i * n:(i + 1) * n] == want.generate(PROMPTS, MAX_TOKENS), name
+    assert loaded == n * len(TRANSFER_BUDGETS)
+
+
+def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
+    """(producer's first token + consumer's tokens for each request, the consumer's loads)."""
+    def engine(role):
+        kv = {"kv_connector": "ExampleConnector", "kv_role": role,
+              "kv_connector_extra_config": {"shared_storage_path": store}}
+        return _engine(model_dir, additional_config={"h2o": ENGINE_H2O}, kv_transfer_config=kv, **dict(kwargs))
+
+    budgets = [extra_args({**BUDGETS, **MODES}[name]) for name in TRANSFER_BUDGETS]
+    prompts = PROMPTS * len(budgets)
+    with engine("kv_producer") as llm:
+        firsts = generate_ids(llm, prompts, [greedy(1, extra_args=b) for b in budgets for _ in PROMPTS])
+    with engine("kv_consumer") as llm:
+        pool = scheduler_of(llm).kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        params = [greedy(MAX_TOKENS - 1, extra_args=b) for b in budgets for _ in PROMPTS]
+        rest = run_steps(llm, [p + f for p, f in zip(prompts, firsts)], params,
+                         on_step=lambda: check_block_lists(llm, ENGINE_H2O, BLOCK))
+        assert pool.get_num_free_blocks() == free, "blocks leaked"
+        loaded = scheduler_of(llm).connector.transfer.num_loaded
+    return [f + rest[str(i)] for i, f in enumerate(firsts)], loaded
+
+
 # --------------------------------------------------------------------------- speculative decoding
 
 CUDA_PATH_BUDGETS = {

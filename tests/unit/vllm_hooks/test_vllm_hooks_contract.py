@@ -377,7 +377,8 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     reported by ``update_state_after_alloc``; a step with a load loads before its forward
     (``has_sync_kv_loads``); the connector's metadata is built before vLLM advances the
     requests' computed tokens (``orders`` reads them as of the step's start); the worker
-    finds the attention layers on the forward context (``no_compile_layers``)."""
+    finds the attention layers, their impls and caches in the compilation config's
+    ``static_forward_context``."""
     source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
     assert "num_external_computed_tokens=num_external_computed_tokens" in source
     assert source.index("self.kv_cache_manager.allocate_slots(") < source.index(
@@ -388,8 +389,8 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
         _resolve(f"{_SCHEDULER}.add_request")[1])
     mixin = inspect.getsource(importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin"))
     assert "start_after_forward = not scheduler_output.has_sync_kv_loads" in mixin
-    from vllm.forward_context import ForwardContext
-    assert "no_compile_layers" in {f.name for f in dataclasses.fields(ForwardContext)}
+    from vllm.config import CompilationConfig
+    assert "static_forward_context" in {f.name for f in dataclasses.fields(CompilationConfig)}
 
 
 def test_admission_checks_the_whole_sequence_with_the_admission_cap():
