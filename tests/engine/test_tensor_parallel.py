@@ -89,3 +89,31 @@ def hf_model_tp(tiny_llama_dir):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def test_tp2_kv_transfer_pair_saves_a_file_per_rank_and_matches_the_oracle(tiny_llama_dir, hf_model_tp,
+                                                                           tmp_path):
+    """A TP=2 producer and a TP=2 consumer (docs/kv-transfer.md): each rank saves and loads its
+    own KV head's kept state, and the pair equals the oracle."""
+    from h2o_vllm.kv_store import KVStore, state_key
+    from h2o_vllm.config import H2OConfig
+    budget = BUDGETS[1]
+    kv = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    first_params, rest_params = _params(budget), _params(budget)
+    first_params.max_tokens, rest_params.max_tokens = 1, MAX_TOKENS - 1
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        common = dict(in_process=True, tensor_parallel_size=2, block_size=BLOCK, additional_config={"h2o": {}})
+        with vllm_engine(tiny_llama_dir, kv_transfer_config={**kv, "kv_role": "kv_producer"}, **common) as llm:
+            firsts = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, first_params, use_tqdm=False)]
+        store = KVStore(tmp_path)
+        for prompt in PROMPTS:
+            key = state_key(prompt, H2OConfig.from_dict(budget).budget(len(prompt), BLOCK), BLOCK)
+            assert store.committed(key).world_size == 2 and store.flaw(key, store.committed(key)) is None
+        continued = [{"prompt_token_ids": p + f} for p, f in zip(PROMPTS, firsts)]
+        with vllm_engine(tiny_llama_dir, kv_transfer_config={**kv, "kv_role": "kv_consumer"}, **common) as llm:
+            rest = [list(o.outputs[0].token_ids) for o in llm.generate(continued, rest_params, use_tqdm=False)]
+            assert scheduler_of(llm).connector.transfer.num_loaded == len(PROMPTS)
+    got = [f + r for f, r in zip(firsts, rest)]
+    assert got == oracle(hf_model_tp, budget, BLOCK).generate(PROMPTS, MAX_TOKENS)
