@@ -1,0 +1,74 @@
+"""Disaggregated prefill and decode served: two `h2o-vllm serve` instances with vLLM's own
+``--kv-transfer-config`` (ExampleConnector settings, one storage folder), a prefill one
+(``kv_producer``) and a decode one (``kv_consumer``). The client speaks the protocol of
+docs/kv-transfer.md: the prefill instance answers the prompt's first token (``max_tokens`` 1),
+the decode instance gets the prompt plus that token and loads what the prefill compacted.
+The answers equal the dense oracle's."""
+import json
+
+import pytest
+import torch
+from harness import Server
+
+from budgets import extra_args, oracle
+from h2o_vllm.config import H2OConfig
+
+BLOCK = 16
+ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 4}
+FLAGS = ["--kv-eviction", "h2o", "--h2o-heavy-tokens", "8", "--h2o-recent-tokens", "8",
+         "--h2o-interval", "4", "--block-size", str(BLOCK)]
+MAX_TOKENS = 24
+XARGS = [None, extra_args({"heavy_tokens": 4, "recent_tokens": 6, "interval": 1})]
+
+
+def _prompts():
+    import random
+    rng = random.Random(5)
+    return [[rng.randrange(5, 500) for _ in range(n)] for n in (30, 120)]
+
+
+def _kv(role: str, store) -> list[str]:
+    config = {"kv_connector": "ExampleConnector", "kv_role": role,
+              "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama_dir, tmp_path_factory):
+    store = tmp_path_factory.mktemp("kv-store")
+    prefill = Server(tiny_llama_dir, [*FLAGS, *_kv("kv_producer", store)])
+    decode = Server(tiny_llama_dir, [*FLAGS, *_kv("kv_consumer", store)])
+    try:
+        prefill.wait_ready(), decode.wait_ready()
+        for server in (prefill, decode):
+            server.model = server.client().models.list().data[0].id
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def _complete(server, prompt, max_tokens, xargs):
+    body = {"ignore_eos": True, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})}
+    return server.client().completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
+                                              temperature=0.0, extra_body=body)
+
+
+def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    prefill, decode = pair
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = _prompts()
+    for xargs in XARGS:
+        config = H2OConfig.from_dict(ENGINE_H2O).with_overrides({k[4:]: v for k, v in (xargs or {}).items()})
+        budget = config.budget(1, BLOCK)
+        for prompt in prompts:
+            first = _complete(prefill, prompt, 1, xargs)
+            token = first.choices[0].token_ids[0]
+            params = first.kv_transfer_params or (first.model_extra or {}).get("kv_transfer_params")
+            assert params and params["h2o_prompt_tokens"] == len(prompt)
+            assert params["h2o_kv_tokens"] <= max(len(prompt), budget.tokens + budget.interval)
+            rest = _complete(decode, prompt + [token], MAX_TOKENS - 1, xargs).choices[0].token_ids
+            dense = {k: v for k, v in vars(config).items() if v is not None}
+            assert [token, *rest] == oracle(model, dense, BLOCK).generate([prompt], MAX_TOKENS)[0]
+    assert "recomputes its prompt" not in decode.tail(200_000)
