@@ -179,11 +179,13 @@ class RunStats:
     running: list[int] = field(default_factory=list)      # per step, after it
     blocks_used: list[int] = field(default_factory=list)  # per step, after it
     held_by_kind: dict[str, list[int]] = field(default_factory=dict)  # per step, by attention kind
+    ttft_s: list[float] = field(default_factory=list)     # per request: submission to its first token
 
     def summary(self) -> dict[str, Any]:
         def mean(xs):
             return sum(xs) / len(xs) if xs else 0.0
-        out = {k: v for k, v in asdict(self).items() if k not in ("running", "blocks_used", "held_by_kind")}
+        out = {k: v for k, v in asdict(self).items()
+               if k not in ("running", "blocks_used", "held_by_kind", "ttft_s")}
         out.update(
             requests_s=self.num_requests / self.elapsed_s,
             output_tok_s=self.output_tokens / self.elapsed_s,
@@ -191,6 +193,7 @@ class RunStats:
             mean_running=mean(self.running), peak_running=max(self.running, default=0),
             mean_blocks_used=mean(self.blocks_used), peak_blocks_used=max(self.blocks_used, default=0),
             held_blocks={kind: {"mean": mean(xs), "peak": max(xs, default=0)} for kind, xs in self.held_by_kind.items()},
+            mean_ttft_s=mean(self.ttft_s), median_ttft_s=sorted(self.ttft_s)[len(self.ttft_s) // 2] if self.ttft_s else 0.0,
         )
         return out
 
@@ -217,8 +220,10 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
     excluded); held_by_kind: ``introspect.held_blocks_by_kind``; peak_blocks_allocated: the
     same right after each ``BlockPool.get_new_blocks`` (a step's peak, before the compactions
-    it ends with free blocks); preemptions: vLLM's own counter over the run (``preemptions``).
-    ``progress``: a tqdm bar advanced per finished request.
+    it ends with free blocks); preemptions: vLLM's own counter over the run (``preemptions``);
+    ttft_s: each request's first token, from the run's start (all are submitted then).
+    ``progress``: a tqdm bar advanced
+    per finished request.
     """
     from h2o_vllm.vllm_hooks import introspect
 
@@ -236,8 +241,13 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+        first_seen = set()
         while engine.has_unfinished_requests():
             outputs = engine.step()
+            for out in outputs:
+                if out.request_id not in first_seen and any(c.token_ids for c in out.outputs):
+                    first_seen.add(out.request_id)
+                    stats.ttft_s.append(time.perf_counter() - start)
             stats.num_steps += 1
             stats.running.append(len(scheduler.running))
             stats.blocks_used.append(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())

@@ -112,3 +112,21 @@ def test_prefill_profile_runs(load_benchmark, tiny_llama_dir, tmp_path):
     assert parts["H2O attention + scores"] > 0 and parts["H2O compaction"] > 0
     assert sum(parts.values()) == pytest.approx(results[0]["wall_s"])
     assert json.loads((out / "prefill_profile.json").read_text())["results"] == results
+
+
+def test_pd_transfer_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
+    """Stock vLLM's ExampleConnector pair and H2O's, each beside one engine of twice the blocks:
+    the pairs answer what their single engines do, and H2O's stores less per request."""
+    out = tmp_path / "pd"
+    load_benchmark("pd_transfer").main([
+        "--model", str(tiny_llama_dir), "--num-requests", "3", "--prompt-len", "200", "--output-len", "6",
+        "--num-blocks", "20", "--out", str(out)])
+    saved = json.loads((out / "pd_transfer.json").read_text())
+    assert (out / "pd_transfer.png").stat().st_size > 0 and "bytes stored" in (out / "pd_transfer.md").read_text()
+    stock, h2o = saved["runs"]
+    assert stock["system"] == "stock" and h2o["system"] == "h2o"
+    for run in saved["runs"]:
+        assert run["pair"]["same_tokens_as_single"], run["system"]
+        assert run["consumer"]["output_tokens"] == 3 * 5
+    assert h2o["bytes_per_request"] < 0.5 * stock["bytes_per_request"]
+    assert not list(tmp_path.glob("pd-*"))  # the storage folders are temporary, outside --out
