@@ -34,6 +34,7 @@ class TransferScheduler:
         self.store, self.config, self.block_size = store, config, block_size
         self.world_size, self.produces, self.consumes = world_size, produces, consumes
         self.continuations: dict[str, tuple[str, StoredPrompt]] = {}  # consumer request -> its state
+        self.whole: set[str] = set()                            # continuations whose files were checked
         self.loading: dict[str, tuple[str, StoredPrompt]] = {}  # matched, awaiting allocation
         self.loads: list[KVMove] = []                           # allocated, for the next orders
         self.saving: dict[str, tuple[str, int, int]] = {}  # producer request -> (key, prompt, kv_len)
@@ -70,9 +71,7 @@ class TransferScheduler:
             manager.unload(rid)
             return 0
         key, stored = found
-        flaw = self.store.flaw(key, stored)
-        if stored.world_size != self.world_size:
-            flaw = f"it was saved by {stored.world_size} tensor-parallel ranks, this engine has {self.world_size}"
+        flaw = None if rid in self.whole else self._flaw(key, stored)
         if flaw is not None:
             del self.continuations[rid]  # computed here from now on; H2O's prompt stays L
             manager.unload(rid)
@@ -80,9 +79,15 @@ class TransferScheduler:
             logger.warning("h2o: request %s recomputes its prompt instead of loading the producer's "
                            "KV state: %s", rid, flaw)
             return 0
+        self.whole.add(rid)  # vLLM asks again each step the request waits for blocks
         manager.load(rid, stored.prompt_len, stored.kv_len)
         self.loading[rid] = found
         return stored.prompt_len
+
+    def _flaw(self, key: str, stored: StoredPrompt) -> str | None:
+        if stored.world_size != self.world_size:
+            return f"it was saved by {stored.world_size} tensor-parallel ranks, this engine has {self.world_size}"
+        return self.store.flaw(key, stored)
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``request``'s blocks (its H2O group's ``block_ids``) for a load."""
@@ -120,6 +125,7 @@ class TransferScheduler:
         rid = request.request_id
         self.continuations.pop(rid, None)
         self.loading.pop(rid, None)
+        self.whole.discard(rid)
         saved = self.saving.pop(rid, None)
         if saved is None or not request.output_token_ids:
             return None

@@ -128,6 +128,20 @@ block pool, preemption count).
   process 0, and vLLM's Ray executor sends them only the variables it knows. The worker side records
   in the runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry
   plugin stats.
+- KV transfer (docs/kv-transfer.md): ``register_kv_connector`` registers
+  ``H2OStorageConnector`` (module ``connector``, a ``KVConnectorBase_V1`` subclass: vLLM's
+  public connector API, each method a call into ``scheduler.transfer`` or ``worker.transfer``)
+  with ``KVConnectorFactory``; it reads its own metadata through the base class's
+  ``_get_connector_metadata`` and the attention layers from the compilation config's
+  ``static_forward_context``. The scheduler hook's ``add_request`` asks it for a consumer
+  request's H2O prompt length (``TransferScheduler.prompt_len``) before it resolves the budget,
+  and the runner hooks read the step's prompt lengths from its metadata on
+  ``SchedulerOutput.kv_connector_metadata`` (``runner.transferred_prompt_lens``) before they
+  plan. ``H2OManager.allocate_external_computed_blocks`` overrides vLLM's allocation of a
+  load (KV space, not the prompt). Why: vLLM's connectors move blocks by token position, and
+  a consumer's request is the producer's continued (its prompt one token shorter for H2O).
+  Upstream: none needed for the connector itself; a way for a connector to tell the KV-cache
+  manager how many slots a load fills would remove the override.
 - ``install_triton_on_cpu`` (module ``triton_on_cpu``), only with ``H2O_VLLM_TRITON_ON_CPU=1``,
   in every process: imports vLLM's Triton attention op modules with the real ``triton`` /
   ``tl`` swapped into ``vllm.triton_utils`` (reloading any defined earlier with the
