@@ -124,6 +124,10 @@ def produced(tiny_llama_dir, store):
         prompts = [ABORTED_PROMPT] + [PROMPTS[i] for _, i in REQUESTS]
         params = [_params("engine", 1)] + [_params(case, 1) for case, _ in REQUESTS]
         outputs, seen = _drive(llm, prompts, params, abort_after=(1, ["0"]))
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+    # vLLM keeps the worker's connector in a process global until the worker shuts down; the
+    # consumer (and later engines in this process) must get their own.
+    assert not has_kv_transfer_group()
     assert "0" not in outputs
     return {request: outputs[str(n + 1)] for n, request in enumerate(REQUESTS)}, seen
 
