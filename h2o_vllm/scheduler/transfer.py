@@ -67,7 +67,10 @@ class TransferScheduler:
         rid = request.request_id
         self.loading.pop(rid, None)
         found = self.continuations.get(rid)
-        if found is None or request.num_computed_tokens or num_local_computed or request.num_preemptions:
+        # vLLM drops any match for a request that skips cached tokens (prompt logprobs): it
+        # must not hold KV space for a load that never comes.
+        if (found is None or request.num_computed_tokens or num_local_computed or request.num_preemptions
+                or request.skip_reading_prefix_cache):
             manager.unload(rid)
             return 0
         key, stored = found

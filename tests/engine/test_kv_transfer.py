@@ -265,3 +265,17 @@ def test_preempted_consumer_requests_recompute_and_drain(consumer, consumed, pro
     # Each loads at most once: a preempted one recomputes, and a request admitted after that
     # may find the prompt in the consumer's own prefix cache (then it loads nothing).
     assert 0 < transfer.num_loaded - before <= 16
+
+
+def test_a_consumer_request_asking_for_prompt_logprobs_computes_its_prompt_exactly(consumer, consumed,
+                                                                                   produced, expected):
+    """vLLM reads no cached token for a request with prompt logprobs (it drops a connector's
+    match): such a continuation computes its prompt, H2O's prompt length still the producer's."""
+    firsts, _ = produced
+    case, i = "tokens-8+8-interval1", 3
+    transfer = scheduler_of(consumer).connector.transfer
+    loaded = transfer.num_loaded
+    params = greedy(MAX_TOKENS - 1, extra_args=extra_args(CASES[case]), prompt_logprobs=1)
+    outputs, _ = _drive(consumer, [PROMPTS[i] + firsts[(case, i)]], [params])
+    assert firsts[(case, i)] + outputs["0"] == expected[(case, i)]
+    assert transfer.num_loaded == loaded

@@ -84,6 +84,11 @@ def test_a_flawed_state_or_a_computed_prefix_is_not_loaded(tmp_path):
     KVStore(tmp_path).rank_path(key, 1).unlink()
     assert transfer.matched(consumer, 0, manager) == 0  # rank 1's file is gone
     assert transfer.num_recomputed == 1 and "c" not in manager.num_evicted
+    # Prompt logprobs: vLLM reads no cached token for it, so nothing may be matched.
+    logprobs = Request("e", PROMPT + [7], SamplingParams(max_tokens=8, prompt_logprobs=1), None)
+    transfer.prompt_len(logprobs)
+    assert logprobs.skip_reading_prefix_cache and transfer.matched(logprobs, 0, manager) == 0
+    assert "e" not in manager.num_evicted
     # Another tensor-parallel size: the heads are split otherwise.
     _stored(tmp_path, world_size=1)
     other = _transfer(tmp_path, world_size=2)

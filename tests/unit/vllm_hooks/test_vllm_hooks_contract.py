@@ -381,6 +381,9 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     ``static_forward_context``."""
     source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
     assert "num_external_computed_tokens=num_external_computed_tokens" in source
+    # vLLM drops a connector's match after asking for a request that skips the cache: the
+    # connector must not count on it (TransferScheduler.matched checks the same flag first).
+    assert re.search(r"if request\.skip_reading_prefix_cache:\s*ext_tokens, load_kv_async = 0, False", source)
     assert source.index("self.kv_cache_manager.allocate_slots(") < source.index(
         "self.connector.update_state_after_alloc(")
     assert "has_sync_kv_loads = True" in source
