@@ -38,6 +38,7 @@ class TransferScheduler:
         self.loading: dict[str, tuple[str, StoredPrompt]] = {}  # matched, awaiting allocation
         self.loads: list[KVMove] = []                           # allocated, for the next orders
         self.saving: dict[str, tuple[str, int, int]] = {}  # producer request -> (key, prompt, kv_len)
+        self.first_tokens: dict[str, int] = {}  # continued from kv_transfer_params -> token to emit first
         self.num_loaded = self.num_recomputed = 0
 
     def _key(self, request, prompt_len: int) -> str:
@@ -45,6 +46,42 @@ class TransferScheduler:
         config = request_config(self.config, params.extra_args if params is not None else None)
         budget = config.budget(prompt_len, self.block_size)
         return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size)
+
+    def continue_from_params(self, request):
+        """vLLM's own P/D protocol (its disaggregation proxy, llm-d): the decoder gets the
+        original prompt and the producer's ``kv_transfer_params``. An ``EngineCoreRequest``
+        whose params name a committed H2O state of exactly its prompt becomes our protocol's
+        request, built before vLLM makes its ``Request``: the prompt plus the producer's first
+        token (the state then loads as for any continuation), ``max_tokens`` / ``min_tokens``
+        one less, and that token is emitted first (``emit_first_tokens``). Anything else is
+        left as it is (the prompt is computed here: exact too, as H2O holds a prompt whole)."""
+        params = request.sampling_params
+        kv = (params.extra_args or {}).get("kv_transfer_params") if params is not None else None
+        ids = request.prompt_token_ids
+        if not self.consumes or not isinstance(kv, dict) or "h2o_first_token" not in kv or ids is None:
+            return request
+        first = kv["h2o_first_token"]
+        plain = (params.max_tokens is not None and params.max_tokens >= 2 and params.logprobs is None
+                 and params.prompt_logprobs is None and params.structured_outputs is None and params.n == 1
+                 and (params.ignore_eos or first not in params.all_stop_token_ids))
+        if not plain or kv.get("h2o_prompt_tokens") != len(ids) or kv.get("h2o_kv_key") != self._key(request, len(ids)):
+            return request
+        import msgspec
+        continued = params.clone()
+        continued.max_tokens -= 1
+        continued.min_tokens = max(0, continued.min_tokens - 1)
+        self.first_tokens[request.request_id] = first
+        return msgspec.structs.replace(request, prompt_token_ids=[*ids, first], sampling_params=continued)
+
+    def emit_first_tokens(self, outputs) -> None:
+        """Each request continued from ``kv_transfer_params`` emits the producer's first token
+        before its own (``outputs``: vLLM's ``EngineCoreOutputs`` of a step, by client)."""
+        if not self.first_tokens:
+            return
+        for batch in outputs.values():
+            for out in batch.outputs:
+                if out.new_token_ids and out.request_id in self.first_tokens:
+                    out.new_token_ids = [self.first_tokens.pop(out.request_id), *out.new_token_ids]
 
     def prompt_len(self, request) -> int:
         """H2O's prompt length for a request being added: ``L`` for a consumer's request that
@@ -129,10 +166,12 @@ class TransferScheduler:
         self.continuations.pop(rid, None)
         self.loading.pop(rid, None)
         self.whole.discard(rid)
+        self.first_tokens.pop(rid, None)
         saved = self.saving.pop(rid, None)
         if saved is None or not request.output_token_ids:
             return None
         key, prompt_len, kv_len = saved
         self.store.commit(key, StoredPrompt(prompt_len=prompt_len, first_token=int(request.output_token_ids[0]),
                                             kv_len=kv_len, world_size=self.world_size))
-        return {"h2o_kv_key": key, "h2o_kv_tokens": kv_len, "h2o_prompt_tokens": prompt_len}
+        return {"h2o_kv_key": key, "h2o_kv_tokens": kv_len, "h2o_prompt_tokens": prompt_len,
+                "h2o_first_token": int(request.output_token_ids[0])}

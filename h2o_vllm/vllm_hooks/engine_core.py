@@ -25,6 +25,7 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _allocate_slots_wrapper)
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
           _get_computed_blocks_wrapper)
+    _wrap("vllm.v1.engine.core:EngineCore.preprocess_add_request", _preprocess_add_request_wrapper)
 
 
 def _h2o_managers(kv_cache_manager) -> list:
@@ -44,10 +45,25 @@ def _add_request_wrapper(original):
 
 def _transfer_prompt_len(connector, request) -> int | None:
     """H2O's prompt length of a KV-transfer consumer's request (None: vLLM's)."""
+    transfer = _transfer_of(connector)
+    return transfer.prompt_len(request) if transfer is not None else None
+
+
+def _transfer_of(connector):
+    """The ``TransferScheduler`` behind H2O's connector, or None."""
     from h2o_vllm.vllm_hooks.connector import H2OStorageConnector
-    if isinstance(connector, H2OStorageConnector):
-        return connector.transfer.prompt_len(request)
-    return None
+    return connector.transfer if isinstance(connector, H2OStorageConnector) else None
+
+
+def _preprocess_add_request_wrapper(original):
+    """vLLM's P/D protocol (the original prompt with the producer's ``kv_transfer_params``)
+    turned into H2O's before vLLM builds the request (``TransferScheduler.continue_from_params``)."""
+    def preprocess_add_request(self, request):
+        transfer = _transfer_of(getattr(self.scheduler, "connector", None))
+        if transfer is not None:
+            request = transfer.continue_from_params(request)
+        return original(self, request)
+    return preprocess_add_request
 
 
 def _free_blocks_wrapper(original):
@@ -79,6 +95,9 @@ def _update_from_output_wrapper(original):
         outputs = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
             events.record_metrics(_h2o_managers(self.kv_cache_manager), self.running)
+            transfer = _transfer_of(self.connector)
+            if transfer is not None:
+                transfer.emit_first_tokens(outputs)
         return outputs
     return update_from_output
 

@@ -174,7 +174,7 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
     for request in scheduler.running:
         rid = request.request_id
         config = H2OConfig.from_dict(engine_h2o).with_overrides(
-            {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items()})
+            {k[4:]: v for k, v in (request.sampling_params.extra_args or {}).items() if k.startswith("h2o_")})
         prompt_len = groups[0][1].prompt_len_of(request)  # a KV-transfer consumer's is shorter
         budget = config.budget(prompt_len, block_size)
         kv_len = kv_len_after(request.num_computed_tokens, prompt_len, budget)

@@ -279,3 +279,32 @@ def test_a_consumer_request_asking_for_prompt_logprobs_computes_its_prompt_exact
     outputs, _ = _drive(consumer, [PROMPTS[i] + firsts[(case, i)]], [params])
     assert firsts[(case, i)] + outputs["0"] == expected[(case, i)]
     assert transfer.num_loaded == loaded
+
+
+def test_vllms_pd_protocol_the_original_prompt_with_the_producers_params(consumer, consumed, produced,
+                                                                        expected, store, hf_model):
+    """vLLM's disaggregation proxy (and llm-d) send the decoder the original prompt with the
+    producer's ``kv_transfer_params``: the state loads, the producer's first token is emitted
+    first, ``max_tokens`` counts it, and the answer equals the oracle's. Params naming another
+    budget's state are ignored: the prompt is computed here, exactly."""
+    firsts, _ = produced
+    transfer = scheduler_of(consumer).connector.transfer
+    loaded = transfer.num_loaded
+    cases = [("engine", 5), ("all-modes-tokens-6+6-interval1", 2), ("chunk-24-tokens-8+8-interval1", 4)]
+    params = []
+    for case, i in cases:
+        key = _key(case, PROMPTS[i])
+        meta = json.loads((store / key / "meta.json").read_text())
+        kv = {"h2o_kv_key": key, "h2o_first_token": meta["first_token"], "h2o_prompt_tokens": len(PROMPTS[i]),
+              "h2o_kv_tokens": meta["kv_len"], "do_remote_prefill": False}
+        params.append(greedy(MAX_TOKENS, extra_args={**extra_args(CASES[case]), "kv_transfer_params": kv}))
+    other = {**params[0].extra_args, "h2o_heavy_tokens": 4}  # another budget: another key
+    params.append(greedy(MAX_TOKENS, extra_args=other))
+    prompts = [PROMPTS[i] for _, i in cases] + [PROMPTS[5]]
+    outputs, _ = _drive(consumer, prompts, params)
+    for n, (case, i) in enumerate(cases):
+        assert outputs[str(n)] == expected[(case, i)], (case, i)
+        assert outputs[str(n)][0] == firsts[(case, i)][0]
+    assert transfer.num_loaded == loaded + len(cases)
+    with_4 = oracle(hf_model, {**_config("engine"), "heavy_tokens": 4}, BLOCK).generate([PROMPTS[5]], MAX_TOKENS)
+    assert outputs[str(len(cases))] == with_4[0]

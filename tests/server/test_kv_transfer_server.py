@@ -72,3 +72,36 @@ def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
             dense = {k: v for k, v in vars(config).items() if v is not None}
             assert [token, *rest] == oracle(model, dense, BLOCK).generate([prompt], MAX_TOKENS)[0]
     assert "recomputes its prompt" not in decode.tail(200_000)
+
+
+def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(pair, tiny_llama_dir):
+    """What vLLM's disaggregation proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
+    upstream, not in the wheel) and llm-d send: the prefill gets ``kv_transfer_params``
+    ``do_remote_decode`` and ``max_tokens`` 1; the decode gets the original request plus the
+    prefill's ``kv_transfer_params``, streamed back. The decode's answer is the whole answer,
+    the producer's first token included, and equals the oracle's."""
+    from transformers import AutoModelForCausalLM
+    prefill, decode = pair
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    remote_decode = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    for stream in (False, True):
+        for prompt in _prompts():
+            first = prefill.client().completions.create(
+                model=prefill.model, prompt=prompt, max_tokens=1, temperature=0.0,
+                extra_body={"ignore_eos": True, "kv_transfer_params": remote_decode})
+            params = first.kv_transfer_params or (first.model_extra or {}).get("kv_transfer_params")
+            body = {"ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}
+            answer = decode.client().completions.create(
+                model=decode.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=stream,
+                extra_body=body, **({"stream_options": {"include_usage": True}} if stream else {}))
+            if stream:
+                chunks = list(answer)
+                tokens = [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])]
+                usage = chunks[-1].usage
+            else:
+                tokens, usage = answer.choices[0].token_ids, answer.usage
+            dense = {k: v for k, v in vars(H2OConfig.from_dict(ENGINE_H2O)).items() if v is not None}
+            assert tokens == oracle(model, dense, BLOCK).generate([prompt], MAX_TOKENS)[0], (stream, len(prompt))
+            assert usage.completion_tokens == MAX_TOKENS and usage.prompt_tokens == len(prompt)
+    assert "recomputes its prompt" not in decode.tail(200_000)

@@ -115,7 +115,7 @@ def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(t
     transfer.orders(step, {"p": producer}, manager)
     producer.append_output_token_ids(9)
     params = transfer.finished(producer)
-    assert params == {"h2o_kv_key": key, "h2o_kv_tokens": 16, "h2o_prompt_tokens": 40}
+    assert params == {"h2o_kv_key": key, "h2o_kv_tokens": 16, "h2o_prompt_tokens": 40, "h2o_first_token": 9}
     assert KVStore(tmp_path).committed(key) == StoredPrompt(40, 9, 16, 1)
 
 
@@ -132,3 +132,41 @@ def test_a_consumer_computing_its_prompt_stops_a_step_at_h2os_prompt_end(tmp_pat
     plain = _request("q", PROMPT + [7])
     events.add_request([manager], plain)
     assert events.limit_step([manager], plain, 0, 41) == 41
+
+
+def _core_request(rid: str, ids: list[int], kv: dict | None, **params):
+    from vllm.v1.engine import EngineCoreRequest
+    params.setdefault("max_tokens", 8)
+    sampling = SamplingParams(extra_args={"kv_transfer_params": kv} if kv else None, **params)
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=ids, mm_features=None, sampling_params=sampling,
+                             pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+                             data_parallel_rank=None)
+
+
+def test_vllms_protocol_becomes_a_continuation_that_emits_the_first_token(tmp_path):
+    """The original prompt with the producer's kv_transfer_params: the request vLLM builds is
+    the prompt plus the first token, one token less to generate, and that token comes first."""
+    key = _stored(tmp_path, first_token=7)
+    transfer = _transfer(tmp_path)
+    kv = {"h2o_kv_key": key, "h2o_first_token": 7, "h2o_prompt_tokens": 40, "h2o_kv_tokens": 16}
+    original = _core_request("c", list(PROMPT), kv, min_tokens=3)
+    continued = transfer.continue_from_params(original)
+    assert continued.prompt_token_ids == PROMPT + [7] and original.prompt_token_ids == PROMPT
+    assert (continued.sampling_params.max_tokens, continued.sampling_params.min_tokens) == (7, 2)
+    assert original.sampling_params.max_tokens == 8  # the caller's params are not touched
+    assert transfer.prompt_len(Request.from_engine_core_request(continued, None)) == 40
+    step = {0: SimpleNamespace(outputs=[SimpleNamespace(request_id="c", new_token_ids=[]),
+                                        SimpleNamespace(request_id="x", new_token_ids=[5])])}
+    transfer.emit_first_tokens(step)  # no token yet (e.g. an empty step): nothing emitted
+    step[0].outputs[0].new_token_ids = [11]
+    transfer.emit_first_tokens(step)
+    transfer.emit_first_tokens(step)  # once
+    assert step[0].outputs[0].new_token_ids == [7, 11] and step[0].outputs[1].new_token_ids == [5]
+    # Left as they are: another prompt or budget (the key), logprobs, one token to make,
+    # a consumer-less engine, no H2O params.
+    for request, t in [(_core_request("d", PROMPT[1:] + [1], kv), transfer),
+                       (_core_request("e", list(PROMPT), kv, logprobs=1), transfer),
+                       (_core_request("f", list(PROMPT), kv, max_tokens=1), transfer),
+                       (_core_request("g", list(PROMPT), kv), _transfer(tmp_path, consumes=False)),
+                       (_core_request("h", list(PROMPT), {"do_remote_decode": True}), transfer)]:
+        assert t.continue_from_params(request) is request

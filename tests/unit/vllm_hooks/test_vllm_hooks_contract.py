@@ -77,6 +77,7 @@ SIGNATURES = {
         "kv_cache_config", "for_capture", "ubatch_idx", "model_specific_attn_metadata"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks": ["self", "request"],
     f"{_SCHEDULER}.add_request": ["self", "request"],
+    "vllm.v1.engine.core:EngineCore.preprocess_add_request": ["self", "request"],
     f"{_SCHEDULER}._free_blocks": ["self", "request"],
     f"{_SCHEDULER}.schedule": ["self", "throttle_prefills"],
     f"{_SCHEDULER}._reserve_prefill_lookahead": ["self", "request", "num_computed_tokens", "num_new_tokens"],
@@ -394,6 +395,26 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     assert "start_after_forward = not scheduler_output.has_sync_kv_loads" in mixin
     from vllm.config import CompilationConfig
     assert "static_forward_context" in {f.name for f in dataclasses.fields(CompilationConfig)}
+
+
+def test_vllms_pd_protocol_reaches_the_engine_core_as_h2o_rewrites_it():
+    """``TransferScheduler.continue_from_params``: vLLM's servers put a request's
+    ``kv_transfer_params`` in its sampling params' ``extra_args``; the engine core builds its
+    ``Request`` from the ``EngineCoreRequest`` in ``preprocess_add_request`` (the prompt and the
+    sampling params taken from it, both msgspec structs that ``structs.replace`` and ``clone``
+    copy); a step's tokens reach process 0 in ``EngineCoreOutput.new_token_ids``, a mutable list
+    field, returned by ``update_from_output`` by client."""
+    import msgspec
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from vllm.v1.engine.core import EngineCore
+    assert 'extra_args["kv_transfer_params"] = self.kv_transfer_params' in inspect.getsource(CompletionRequest)
+    assert "Request.from_engine_core_request(request" in inspect.getsource(EngineCore.preprocess_add_request)
+    assert issubclass(EngineCoreRequest, msgspec.Struct)
+    assert {"prompt_token_ids", "sampling_params"} <= set(EngineCoreRequest.__struct_fields__)
+    assert "new_token_ids" in EngineCoreOutput.__struct_fields__ and not EngineCoreOutput.__struct_config__.frozen
+    returned = inspect.signature(inspect.unwrap(_resolve(f"{_SCHEDULER}.update_from_output")[1])).return_annotation
+    assert re.fullmatch(r"dict\[int, [\w.]*EngineCoreOutputs\]", str(returned)), returned
 
 
 def test_admission_checks_the_whole_sequence_with_the_admission_cap():
