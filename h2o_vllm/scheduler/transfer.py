@@ -48,30 +48,32 @@ class TransferScheduler:
         return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size)
 
     def continue_from_params(self, request):
-        """vLLM's own P/D protocol (its disaggregation proxy, llm-d): the decoder gets the
-        original prompt and the producer's ``kv_transfer_params``. An ``EngineCoreRequest``
-        whose params name a committed H2O state of exactly its prompt becomes our protocol's
+        """vLLM's own P/D protocol (its disaggregation proxy): the decoder gets the original
+        prompt and the producer's ``kv_transfer_params``. An ``EngineCoreRequest`` whose params
+        name a committed H2O state of exactly its prompt and budget becomes our protocol's
         request, built before vLLM makes its ``Request``: the prompt plus the producer's first
         token (the state then loads as for any continuation), ``max_tokens`` / ``min_tokens``
         one less, and that token is emitted first (``emit_first_tokens``). Anything else is
-        left as it is (the prompt is computed here: exact too, as H2O holds a prompt whole)."""
+        left as it is: the prompt is computed here, exact too, as H2O holds a prompt whole."""
         params = request.sampling_params
         kv = (params.extra_args or {}).get("kv_transfer_params") if params is not None else None
         ids = request.prompt_token_ids
-        if not self.consumes or not isinstance(kv, dict) or "h2o_first_token" not in kv or ids is None:
+        if not self.consumes or not isinstance(kv, dict) or "h2o_kv_key" not in kv or ids is None:
             return request
-        first = kv["h2o_first_token"]
         plain = (params.max_tokens is not None and params.max_tokens >= 2 and params.logprobs is None
-                 and params.prompt_logprobs is None and params.structured_outputs is None and params.n == 1
-                 and (params.ignore_eos or first not in params.all_stop_token_ids))
-        if not plain or kv.get("h2o_prompt_tokens") != len(ids) or kv.get("h2o_kv_key") != self._key(request, len(ids)):
+                 and params.prompt_logprobs is None and params.structured_outputs is None and params.n == 1)
+        key = self._key(request, len(ids))
+        stored = self.store.committed(key) if plain and kv["h2o_kv_key"] == key else None
+        if (stored is None or stored.prompt_len != len(ids)
+                or (not params.ignore_eos and stored.first_token in params.all_stop_token_ids)):
             return request
         import msgspec
         continued = params.clone()
         continued.max_tokens -= 1
         continued.min_tokens = max(0, continued.min_tokens - 1)
-        self.first_tokens[request.request_id] = first
-        return msgspec.structs.replace(request, prompt_token_ids=[*ids, first], sampling_params=continued)
+        self.first_tokens[request.request_id] = stored.first_token
+        return msgspec.structs.replace(request, prompt_token_ids=[*ids, stored.first_token],
+                                       sampling_params=continued)
 
     def emit_first_tokens(self, outputs) -> None:
         """Each request continued from ``kv_transfer_params`` emits the producer's first token

@@ -162,9 +162,11 @@ def test_vllms_protocol_becomes_a_continuation_that_emits_the_first_token(tmp_pa
     transfer.emit_first_tokens(step)
     transfer.emit_first_tokens(step)  # once
     assert step[0].outputs[0].new_token_ids == [7, 11] and step[0].outputs[1].new_token_ids == [5]
-    # Left as they are: another prompt or budget (the key), logprobs, one token to make,
-    # a consumer-less engine, no H2O params.
+    # Left as they are: another prompt or budget (the key), a state not committed here,
+    # logprobs, one token to make, a consumer-less engine, no H2O params.
+    elsewhere = {**kv, "h2o_kv_key": state_key(PROMPT[:-1], CONFIG.budget(39, BLOCK), BLOCK)}
     for request, t in [(_core_request("d", PROMPT[1:] + [1], kv), transfer),
+                       (_core_request("d2", PROMPT[:-1], elsewhere), transfer),
                        (_core_request("e", list(PROMPT), kv, logprobs=1), transfer),
                        (_core_request("f", list(PROMPT), kv, max_tokens=1), transfer),
                        (_core_request("g", list(PROMPT), kv), _transfer(tmp_path, consumes=False)),
