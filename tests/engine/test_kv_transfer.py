@@ -283,7 +283,7 @@ def test_a_consumer_request_asking_for_prompt_logprobs_computes_its_prompt_exact
 
 def test_vllms_pd_protocol_the_original_prompt_with_the_producers_params(consumer, consumed, produced,
                                                                         expected, store, hf_model):
-    """vLLM's disaggregation proxy (and llm-d) send the decoder the original prompt with the
+    """vLLM's disaggregation proxy sends the decoder the original prompt with the
     producer's ``kv_transfer_params``: the state loads, the producer's first token is emitted
     first, ``max_tokens`` counts it, and the answer equals the oracle's. Params naming another
     budget's state are ignored: the prompt is computed here, exactly."""

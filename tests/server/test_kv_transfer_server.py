@@ -76,7 +76,7 @@ def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
 
 def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(pair, tiny_llama_dir):
     """What vLLM's disaggregation proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
-    upstream, not in the wheel) and llm-d send: the prefill gets ``kv_transfer_params``
+    upstream, not in the wheel) sends: the prefill gets ``kv_transfer_params``
     ``do_remote_decode`` and ``max_tokens`` 1; the decode gets the original request plus the
     prefill's ``kv_transfer_params``, streamed back. The decode's answer is the whole answer,
     the producer's first token included, and equals the oracle's."""
