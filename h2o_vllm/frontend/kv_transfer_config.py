@@ -1,18 +1,31 @@
 """``--kv-transfer-config`` with H2O: which connector carries H2O's state, settled and checked
 before the model loads (called from ``frontend.settings`` and ``frontend.conflicts``).
 
-Pure logic over the config as given (a dict, or vLLM's ``KVTransferConfig``). The connector
-itself is ``vllm_hooks.connector.H2OStorageConnector`` (docs/kv-transfer.md).
+Pure logic over the config as given (a dict, or vLLM's ``KVTransferConfig``). The connectors
+themselves are ``vllm_hooks.connector.H2OStorageConnector`` and ``H2ONixlConnector``
+(docs/kv-transfer.md).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-#: The connector that carries H2O's state, and vLLM's connectors whose settings it takes as
-#: they are (same roles, same ``shared_storage_path``) and runs in their place.
+#: The connectors that carry H2O's state, and vLLM's connectors whose settings they take as
+#: they are (same roles, same ``shared_storage_path``; NIXL's host and port variables) and run
+#: in their place.
 H2O_CONNECTOR = "H2OStorageConnector"
-SETTLED_CONNECTORS = ("ExampleConnector",)
+H2O_NIXL_CONNECTOR = "H2ONixlConnector"
+SETTLED_CONNECTORS = {"ExampleConnector": H2O_CONNECTOR, "NixlConnector": H2O_NIXL_CONNECTOR}
+NIXL_INSTALL = "pip install 'h2o-vllm[nixl]'"
+
+
+def nixl_missing() -> str | None:
+    """Why NIXL cannot run here (its package does not import), or None."""
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception as e:  # ImportError, or a native library that does not load
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _field(kv_transfer: Any, name: str):
@@ -22,15 +35,21 @@ def _field(kv_transfer: Any, name: str):
 def check(kv_transfer: Any, speculative: bool, way_out: str) -> None:
     """Refuse a connector that cannot carry H2O's state, naming the one that can."""
     name = _field(kv_transfer, "kv_connector")
-    if name not in (H2O_CONNECTOR, *SETTLED_CONNECTORS):
+    if name in ("NixlConnector", H2O_NIXL_CONNECTOR) and (missing := nixl_missing()) is not None:
+        raise ValueError(
+            f"--kv-transfer-config names {name}, and H2O's state travels over NIXL then, but the nixl "
+            f"package does not import here ({missing}): {NIXL_INSTALL}, or use the shared-storage "
+            'connector (\'{"kv_connector": "ExampleConnector", ...}\'), ' + way_out)
+    if name not in (H2O_CONNECTOR, H2O_NIXL_CONNECTOR, *SETTLED_CONNECTORS):
         raise ValueError(
             f"the KV connector {name!r} (--kv-transfer-config) cannot be combined with H2O KV "
             "eviction: it saves and loads whole blocks by token position, and after H2O's "
             "compaction a block's slots hold each KV head's kept tokens, not a run of positions. "
-            f"H2O's state (kept K/V, scores) travels through {H2O_CONNECTOR}: pass "
-            '--kv-transfer-config \'{"kv_connector": "ExampleConnector", "kv_role": "kv_producer", '
+            f"H2O's state (kept K/V, scores) travels through {H2O_NIXL_CONNECTOR} or {H2O_CONNECTOR}: pass "
+            '--kv-transfer-config \'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (NIXL, with '
+            'vLLM\'s disaggregation proxy) or \'{"kv_connector": "ExampleConnector", "kv_role": "kv_producer", '
             '"kv_connector_extra_config": {"shared_storage_path": "<a folder both engines see>"}}\' '
-            f"(H2O runs {H2O_CONNECTOR} in its place; kv_consumer on the decode side), {way_out}")
+            f"(shared storage; kv_consumer on the decode side): H2O runs its own in their place, {way_out}")
     if speculative:
         raise ValueError(
             "speculative decoding with a KV connector (--kv-transfer-config with "
@@ -38,16 +57,18 @@ def check(kv_transfer: Any, speculative: bool, way_out: str) -> None:
             f"moves H2O's layers only, not a drafter's. Drop one of the two, {way_out}")
 
 
-def settle(args: Any) -> bool:
-    """Run H2O's connector where the user named one of ``SETTLED_CONNECTORS``; True if it did."""
+def settle(args: Any) -> str | None:
+    """Run H2O's connector where the user named one of ``SETTLED_CONNECTORS``; returns the
+    one it runs, or None."""
     kv_transfer = getattr(args, "kv_transfer_config", None)
-    if kv_transfer is None or _field(kv_transfer, "kv_connector") not in SETTLED_CONNECTORS:
-        return False
+    ours = SETTLED_CONNECTORS.get(_field(kv_transfer, "kv_connector")) if kv_transfer is not None else None
+    if ours is None:
+        return None
     if isinstance(kv_transfer, dict):
-        kv_transfer["kv_connector"] = H2O_CONNECTOR
+        kv_transfer["kv_connector"] = ours
     else:
-        kv_transfer.kv_connector = H2O_CONNECTOR
-    return True
+        kv_transfer.kv_connector = ours
+    return ours
 
 
 def check_model(model_config: Any, sliding_layers: Sequence[str], way_out: str) -> None:

@@ -24,9 +24,9 @@ def settle_engine_args(args: Any) -> H2OConfig | None:
     if h2o is None:
         return None
     conflicts.check_engine_args(args, h2o)
-    if kv_transfer_config.settle(args):
-        logger.info("h2o: the KV connector is %s (vLLM's ExampleConnector settings; it carries H2O's "
-                    "kept KV and scores: docs/kv-transfer.md)", kv_transfer_config.H2O_CONNECTOR)
+    if (connector := kv_transfer_config.settle(args)) is not None:
+        logger.info("h2o: the KV connector is %s (on the settings given; it carries H2O's kept KV "
+                    "and scores: docs/kv-transfer.md)", connector)
     if conflicts.settle_async_scheduling(args):
         logger.warning("async scheduling is off: H2O with a draft model or EAGLE head verifies each step's drafts "
                        "before it places the next compaction (docs/semantics.md, \"Speculative "

@@ -13,6 +13,10 @@ A consumer's request that continues a committed state loads it when nothing of i
 computed yet and every rank file is whole; otherwise (a file missing or cut short, a local
 prefix hit first, a preempted request coming back) it computes the prompt itself, with the
 same H2O prompt length: the same tokens, at the cost of the prefill.
+
+Where states live is the medium's: ``TransferScheduler`` is shared storage (``KVStore``);
+``scheduler.nixl_transfer.NixlTransferScheduler`` overrides the five medium hooks
+(``_committed``, ``_readiness``, ``_staged``, ``_commit``, ``_forget``) for NIXL.
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ from h2o_vllm.policy import kv_len_after
 from h2o_vllm.transfer_orders import KVMove, TransferOrders
 
 logger = logging.getLogger("vllm.h2o_vllm")
+
+#: ``_readiness``: the state is on its way (a NIXL read in flight); ask again next step.
+PENDING = object()
 
 
 class TransferScheduler:
@@ -63,7 +70,7 @@ class TransferScheduler:
         plain = (params.max_tokens is not None and params.max_tokens >= 2 and params.logprobs is None
                  and params.prompt_logprobs is None and params.structured_outputs is None and params.n == 1)
         key = self._key(request, len(ids))
-        stored = self.store.committed(key) if plain and kv["h2o_kv_key"] == key else None
+        stored = self._committed(request.request_id, key, kv) if plain and kv["h2o_kv_key"] == key else None
         if (stored is None or stored.prompt_len != len(ids)
                 or (not params.ignore_eos and stored.first_token in params.all_stop_token_ids)):
             return request
@@ -93,16 +100,17 @@ class TransferScheduler:
         if not self.consumes or n < 2:
             return n
         key = self._key(request, n - 1)
-        stored = self.store.committed(key)
+        stored = self._committed(request.request_id, key)
         if stored is None or stored.prompt_len != n - 1 or stored.first_token != ids[-1]:
             return n
         self.continuations[request.request_id] = (key, stored)
         return n - 1
 
-    def matched(self, request, num_local_computed: int, manager) -> int:
+    def matched(self, request, num_local_computed: int, manager) -> int | None:
         """Tokens the consumer loads for a waiting ``request`` (vLLM's
         ``get_num_new_matched_tokens``): its whole H2O prompt, when nothing is computed yet and
-        the state is whole; else 0 (it computes the prompt itself)."""
+        the state is whole; None while it is still on its way (vLLM asks again next step);
+        else 0 (it computes the prompt itself)."""
         rid = request.request_id
         self.loading.pop(rid, None)
         found = self.continuations.get(rid)
@@ -111,11 +119,16 @@ class TransferScheduler:
         if (found is None or request.num_computed_tokens or num_local_computed or request.num_preemptions
                 or request.skip_reading_prefix_cache):
             manager.unload(rid)
+            if found is not None:
+                self._forget(rid)
             return 0
         key, stored = found
-        flaw = None if rid in self.whole else self._flaw(key, stored)
+        flaw = None if rid in self.whole else self._readiness(rid, key, stored)
+        if flaw is PENDING:
+            return None
         if flaw is not None:
             del self.continuations[rid]  # computed here from now on; H2O's prompt stays L
+            self._forget(rid)
             manager.unload(rid)
             self.num_recomputed += 1
             logger.warning("h2o: request %s recomputes its prompt instead of loading the producer's "
@@ -126,10 +139,33 @@ class TransferScheduler:
         self.loading[rid] = found
         return stored.prompt_len
 
-    def _flaw(self, key: str, stored: StoredPrompt) -> str | None:
+    def _world_flaw(self, stored: StoredPrompt) -> str | None:
         if stored.world_size != self.world_size:
             return f"it was saved by {stored.world_size} tensor-parallel ranks, this engine has {self.world_size}"
-        return self.store.flaw(key, stored)
+        return None
+
+    # The medium's hooks: shared storage here.
+
+    def _committed(self, req_id: str, key: str, kv_params: dict | None = None) -> StoredPrompt | None:
+        """The committed state ``key`` that request ``req_id`` continues, if any (``kv_params``:
+        its ``kv_transfer_params``, when the request came with them)."""
+        return self.store.committed(key)
+
+    def _readiness(self, req_id: str, key: str, stored: StoredPrompt):
+        """None when the state can be loaded now, ``PENDING`` while it is on its way, else why not."""
+        return self._world_flaw(stored) or self.store.flaw(key, stored)
+
+    def _staged(self, request, move: KVMove) -> KVMove | None:
+        """The save ``move`` as the medium takes it, or None to save nothing."""
+        return move
+
+    def _commit(self, req_id: str, key: str, stored: StoredPrompt) -> dict:
+        """Make a saved state loadable; returns what ``kv_transfer_params`` add to name it."""
+        self.store.commit(key, stored)
+        return {}
+
+    def _forget(self, req_id: str) -> None:
+        """``req_id`` ends or gives up its save or load: drop what the medium holds for it."""
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated ``request``'s blocks (its H2O group's ``block_ids``) for a load."""
@@ -157,8 +193,10 @@ class TransferScheduler:
                 budget = manager.budgets.resolve(rid, prompt_len)
                 kv_len = kv_len_after(prompt_len, prompt_len, budget)
                 key = self._key(request, prompt_len)
-                orders.saves.append(KVMove(rid, key, tuple(manager.live_block_ids(rid, kv_len)), kv_len))
-                self.saving[rid] = (key, prompt_len, kv_len)
+                move = self._staged(request, KVMove(rid, key, tuple(manager.live_block_ids(rid, kv_len)), kv_len))
+                if move is not None:
+                    orders.saves.append(move)
+                    self.saving[rid] = (key, prompt_len, kv_len)
         return orders
 
     def finished(self, request) -> dict | None:
@@ -171,9 +209,12 @@ class TransferScheduler:
         self.first_tokens.pop(rid, None)
         saved = self.saving.pop(rid, None)
         if saved is None or not request.output_token_ids:
+            self._forget(rid)
             return None
         key, prompt_len, kv_len = saved
-        self.store.commit(key, StoredPrompt(prompt_len=prompt_len, first_token=int(request.output_token_ids[0]),
-                                            kv_len=kv_len, world_size=self.world_size))
+        first = int(request.output_token_ids[0])
+        named = self._commit(rid, key, StoredPrompt(prompt_len=prompt_len, first_token=first, kv_len=kv_len,
+                                                    world_size=self.world_size))
+        self._forget(rid)
         return {"h2o_kv_key": key, "h2o_kv_tokens": kv_len, "h2o_prompt_tokens": prompt_len,
-                "h2o_first_token": int(request.output_token_ids[0])}
+                "h2o_first_token": first, **named}

@@ -129,7 +129,8 @@ block pool, preemption count).
   in the runner hook above and in ``H2OCPUImpl``. Remove when vLLM's SchedulerStats carry
   plugin stats.
 - KV transfer (docs/kv-transfer.md): ``register_kv_connector`` registers
-  ``H2OStorageConnector`` (module ``connector``, a ``KVConnectorBase_V1`` subclass: vLLM's
+  ``H2OStorageConnector`` and ``H2ONixlConnector`` (module ``connector``, ``KVConnectorBase_V1``
+  subclasses: vLLM's
   public connector API, each method a call into ``scheduler.transfer`` or ``worker.transfer``)
   with ``KVConnectorFactory``; it reads its own metadata through the base class's
   ``_get_connector_metadata`` and the attention layers from the compilation config's
@@ -174,12 +175,13 @@ def register_kv_cache_spec() -> None:
 
 
 def register_kv_connector() -> None:
-    """``H2OStorageConnector`` by name in vLLM's connector registry (every process)."""
+    """H2O's connectors by name in vLLM's connector registry (every process)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from h2o_vllm.vllm_hooks.connector import NAME
-    if NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(NAME, "h2o_vllm.vllm_hooks.connector", "H2OStorageConnector")
+    from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
+    for name in (H2O_CONNECTOR, H2O_NIXL_CONNECTOR):
+        if name not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(name, "h2o_vllm.vllm_hooks.connector", name)
 
 
 # Re-exported: plugin.register() and the tests use the package as one namespace.

@@ -1,10 +1,12 @@
-"""H2O's KV connector: vLLM's connector API (``--kv-transfer-config``) carrying H2O's state.
+"""H2O's KV connectors: vLLM's connector API (``--kv-transfer-config``) carrying H2O's state.
 
 Both sides are thin: the scheduler's calls go to ``scheduler.transfer.TransferScheduler``, the
-worker's to ``worker.transfer``. Users keep vLLM's flag and connector name:
+worker's to ``worker.transfer``; a connector only supplies its medium. Users keep vLLM's flag
+and connector names (``frontend.kv_transfer_config.settle``):
 ``{"kv_connector": "ExampleConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
-"kv_connector_extra_config": {"shared_storage_path": ...}}`` runs this class in its place
-(``frontend.kv_transfer_config.settle``); its name is ``H2OStorageConnector``.
+"kv_connector_extra_config": {"shared_storage_path": ...}}`` runs ``H2OStorageConnector``
+(shared storage) in its place, ``{"kv_connector": "NixlConnector", "kv_role": "kv_both"}``
+runs ``H2ONixlConnector`` (NIXL reads from the producer's memory, ``worker.nixl_transport``).
 Why a connector of our own and not a wrapper of vLLM's: a stock connector moves whole blocks
 by token position, and after compaction position ``t`` of a block is no token in particular;
 what must travel (live K/V per head, their scores) is H2O's, and so is when (after the
@@ -12,21 +14,26 @@ prompt's compaction).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole,
+                                                               KVConnectorWorkerMetadata)
 from vllm.logger import init_logger
 
 from h2o_vllm.config import h2o_config
-from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR
+from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
 from h2o_vllm.kv_store import KVStore
-from h2o_vllm.transfer_orders import TransferOrders
+from h2o_vllm.transfer_orders import KVMove, NixlPeer, TransferOrders, TransferReport
 
 logger = init_logger("vllm.h2o_vllm")
 
 NAME = H2O_CONNECTOR
+NIXL_NAME = H2O_NIXL_CONNECTOR
 
 
 class H2OConnectorMetadata(KVConnectorMetadata):
@@ -41,23 +48,33 @@ def transfer_orders(scheduler_output) -> TransferOrders | None:
     return meta.orders if isinstance(meta, H2OConnectorMetadata) else None
 
 
-class H2OStorageConnector(KVConnectorBase_V1):
+class H2OConnector(KVConnectorBase_V1):
+    """What both of H2O's connectors share; a medium supplies ``_make_transfer`` (scheduler)
+    and ``_write`` / ``_read`` (worker)."""
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = h2o_config(vllm_config)
         if config is None:
-            raise ValueError(f"{NAME} carries H2O's KV state: turn H2O on (--kv-eviction h2o), or "
-                             "use vLLM's ExampleConnector without H2O")
-        transfer = self._kv_transfer_config
-        self.store = KVStore(transfer.get_from_extra_config("shared_storage_path", "/tmp"))
+            raise ValueError(f"{type(self).__name__} carries H2O's KV state: turn H2O on (--kv-eviction h2o), "
+                             "or use vLLM's own connector without H2O")
         self.requests: dict[str, Any] = {}
         self.transfer = None
         if role == KVConnectorRole.SCHEDULER:
-            from h2o_vllm.scheduler.transfer import TransferScheduler
-            self.transfer = TransferScheduler(
-                self.store, config, vllm_config.cache_config.block_size,
-                vllm_config.parallel_config.tensor_parallel_size,
-                produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer)
+            transfer = self._kv_transfer_config
+            self.transfer = self._make_transfer(config, dict(
+                block_size=vllm_config.cache_config.block_size,
+                world_size=vllm_config.parallel_config.tensor_parallel_size,
+                produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer))
+
+    def _make_transfer(self, config, common: dict):
+        raise NotImplementedError
+
+    def _write(self, move: KVMove, tensors: dict[str, torch.Tensor]) -> int:
+        raise NotImplementedError
+
+    def _read(self, move: KVMove) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -105,7 +122,7 @@ class H2OStorageConnector(KVConnectorBase_V1):
         orders = self._get_connector_metadata().orders
         if orders.loads:
             from h2o_vllm.worker import transfer
-            transfer.load(orders, self._layers(), self.store, _rank())
+            transfer.load(orders, self._layers(), self._read)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -117,7 +134,128 @@ class H2OStorageConnector(KVConnectorBase_V1):
         orders = self._get_connector_metadata().orders
         if orders.saves:
             from h2o_vllm.worker import transfer
-            transfer.save(orders, self._layers(), self.store, _rank())
+            transfer.save(orders, self._layers(), self._write)
+
+
+class H2OStorageConnector(H2OConnector):
+    """H2O's state through shared storage (``KVStore``), on ``ExampleConnector``'s settings."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        extra = vllm_config.kv_transfer_config
+        self.store = KVStore(extra.get_from_extra_config("shared_storage_path", "/tmp") if extra else "/tmp")
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def _make_transfer(self, config, common: dict):
+        from h2o_vllm.scheduler.transfer import TransferScheduler
+        return TransferScheduler(self.store, config, **common)
+
+    def _write(self, move: KVMove, tensors: dict[str, torch.Tensor]) -> int:
+        return self.store.write_rank(move.key, _rank(), tensors)
+
+    def _read(self, move: KVMove) -> dict[str, torch.Tensor]:
+        return self.store.read_rank(move.key, _rank())
+
+
+@dataclass
+class H2ONixlHandshake(KVConnectorHandshakeMetadata):
+    peer: NixlPeer
+
+
+class H2OTransferReport(KVConnectorWorkerMetadata):
+    def __init__(self, report: TransferReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: "H2OTransferReport") -> "H2OTransferReport":
+        return H2OTransferReport(TransferReport().merge(self.report).merge(other.report))
+
+
+#: ``kv_connector_extra_config`` keys of H2O's NIXL connector, with their defaults.
+STAGING_MIB, STAGING_MIB_DEFAULT = "h2o_staging_mib", 1024
+LEASE_S, LEASE_S_DEFAULT = "kv_lease_duration", 120
+PORT = "h2o_nixl_port"  # the first rank's metadata port; VLLM_NIXL_SIDE_CHANNEL_PORT otherwise
+TIMEOUT_S, TIMEOUT_S_DEFAULT = "h2o_nixl_timeout_s", 30  # a consumer's wait for a producer's metadata
+
+
+class H2ONixlConnector(H2OConnector):
+    """H2O's state over NIXL: each rank reads its share from the producer's staging memory
+    (``scheduler.nixl_transfer``, ``worker.nixl_transport``), on ``NixlConnector``'s settings."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        self.nixl = None
+        self.layout = None
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def _staging_bytes(self) -> int:
+        return int(float(self._kv_transfer_config.get_from_extra_config(STAGING_MIB, STAGING_MIB_DEFAULT)) * 2**20)
+
+    def _make_transfer(self, config, common: dict):
+        from h2o_vllm.scheduler.nixl_transfer import NixlTransferScheduler, StateShape
+        from h2o_vllm.scheduler.spec import H2OAttentionSpec
+        from h2o_vllm.scheduler.staging import Staging
+        groups = [g for g in self._kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
+        if len(groups) != 1:
+            raise RuntimeError(f"{NIXL_NAME} moves one H2O KV-cache group, found {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        shape = StateShape(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
+        lease = float(self._kv_transfer_config.get_from_extra_config(LEASE_S, LEASE_S_DEFAULT))
+        staging = Staging(self._staging_bytes(), common["world_size"], lease)
+        return NixlTransferScheduler(staging, shape, config, **common)
+
+    # Scheduler side.
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        self.transfer.peers = tuple(metadata[rank].peer for rank in sorted(metadata))
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, H2OTransferReport):
+            self.transfer.update(meta.report)
+
+    # Worker side.
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        import vllm.envs as envs
+
+        from h2o_vllm.worker.nixl_transport import NixlTransport, StateLayout
+        layers = sorted(self._layers(), key=lambda layer: layer[0])
+        views, _ = layers[0][1].cache_state(layers[0][2])
+        _, _, kv_heads, head_size = views.keys.shape
+        self.layout = StateLayout(tuple(name for name, _, _ in layers), kv_heads, head_size, views.keys.dtype)
+        parallel = self._vllm_config.parallel_config
+        rank = _rank()
+        base = int(self._kv_transfer_config.get_from_extra_config(PORT, envs.VLLM_NIXL_SIDE_CHANNEL_PORT))
+        port = base + parallel.data_parallel_index * parallel.tensor_parallel_size + rank
+        name = f"h2o-{self._kv_transfer_config.engine_id}-dp{parallel.data_parallel_index}-tp{rank}"
+        timeout = float(self._kv_transfer_config.get_from_extra_config(TIMEOUT_S, TIMEOUT_S_DEFAULT))
+        self.nixl = NixlTransport(name, envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port, self._staging_bytes(), rank, timeout)
+
+    def get_handshake_metadata(self) -> H2ONixlHandshake | None:
+        return H2ONixlHandshake(self.nixl.peer) if self.nixl is not None else None
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        orders = self._get_connector_metadata().orders
+        for req_id in orders.forgets:
+            self.nixl.forget(req_id)
+        for fetch in orders.fetches:
+            self.nixl.fetch(fetch)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def build_connector_worker_meta(self) -> H2OTransferReport | None:
+        report = self.nixl.poll() if self.nixl is not None else None
+        return H2OTransferReport(report) if report else None
+
+    def _write(self, move: KVMove, tensors: dict[str, torch.Tensor]) -> int:
+        from h2o_vllm.packed_state import PARTS
+        return self.nixl.stage(move, [{part: tensors[f"{name}.{part}"] for part in PARTS}
+                                      for name in self.layout.names])
+
+    def _read(self, move: KVMove) -> dict[str, torch.Tensor]:
+        return self.nixl.take(move.req_id, move.kv_len, self.layout)
+
+    def shutdown(self) -> None:
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
 
 
 def _rank() -> int:

@@ -51,8 +51,8 @@ def _transfer_prompt_len(connector, request) -> int | None:
 
 def _transfer_of(connector):
     """The ``TransferScheduler`` behind H2O's connector, or None."""
-    from h2o_vllm.vllm_hooks.connector import H2OStorageConnector
-    return connector.transfer if isinstance(connector, H2OStorageConnector) else None
+    from h2o_vllm.vllm_hooks.connector import H2OConnector
+    return connector.transfer if isinstance(connector, H2OConnector) else None
 
 
 def _preprocess_add_request_wrapper(original):

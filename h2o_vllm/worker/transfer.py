@@ -6,15 +6,16 @@ exactly what the producer's engine keeps; ``load`` runs before the consumer's fo
 the blocks the scheduler allocated. Both go through the device's ``cache_views`` (the CPU's
 transposed K pages, Triton's layout, fp8 bytes alike) and the layer's score buffer, in the
 device-neutral layout ``[kv_len, kv_heads, head_size]`` (scores ``[kv_len, kv_heads]``).
+The medium is the caller's: ``write`` / ``read`` take a move's tensors to or from a file
+(``KVStore``) or NIXL staging (``worker.nixl_transport``), named ``<layer>.<k|v|scores>``.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 
-from h2o_vllm.kv_store import KVStore
 from h2o_vllm.transfer_orders import KVMove, TransferOrders
 
 
@@ -48,8 +49,8 @@ def write_state(views, scores: torch.Tensor, move: KVMove, state: dict[str, torc
 
 
 def save(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
-         store: KVStore, rank: int) -> int:
-    """Each ordered save as one file of this rank's heads; returns the bytes written."""
+         write: Callable[[KVMove, dict[str, torch.Tensor]], int]) -> int:
+    """Each ordered save's tensors of this rank's heads to ``write``; returns the bytes written."""
     if not orders.saves:
         return 0
     states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
@@ -58,18 +59,18 @@ def save(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torc
         tensors = {}
         for name, views, scores in states:
             tensors.update({f"{name}.{part}": t for part, t in read_state(views, scores, move).items()})
-        written += store.write_rank(move.key, rank, tensors)
+        written += write(move, tensors)
     return written
 
 
 def load(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
-         store: KVStore, rank: int) -> None:
-    """Each ordered load from this rank's file (the scheduler checked it is whole)."""
+         read: Callable[[KVMove], dict[str, torch.Tensor]]) -> None:
+    """Each ordered load from ``read`` (the scheduler checked the state is whole)."""
     if not orders.loads:
         return
     states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
     for move in orders.loads:
-        stored = store.read_rank(move.key, rank)
+        stored = read(move)
         for name, views, scores in states:
             write_state(views, scores, move,
                         {part: stored[f"{name}.{part}"] for part in ("k", "v", "scores")})

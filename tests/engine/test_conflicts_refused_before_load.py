@@ -28,7 +28,7 @@ def _refused(model_dir, **kwargs) -> str:
 @pytest.mark.parametrize("kwargs, words", [
     ({"speculative_config": {"method": "medusa", "model": "unused", "num_speculative_tokens": 2}},
      "--speculative-config"),
-    ({"kv_transfer_config": {"kv_connector": "NixlConnector", "kv_role": "kv_both"}},
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}},
      "--kv-transfer-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
     ({"additional_config": {"h2o": {"heavy_tokens": 600, "recent_tokens": 600}}}, "max_model_len=1024"),

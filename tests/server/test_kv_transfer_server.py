@@ -3,12 +3,14 @@
 (``kv_producer``) and a decode one (``kv_consumer``). The client speaks the protocol of
 docs/kv-transfer.md: the prefill instance answers the prompt's first token (``max_tokens`` 1),
 the decode instance gets the prompt plus that token and loads what the prefill compacted.
-The answers equal the dense oracle's."""
+The answers equal the dense oracle's. vLLM's proxy protocol runs over NIXL too
+(``NixlConnector`` settings, both ``kv_both``): the decode reads the prefill's kept KV from
+its memory."""
 import json
 
 import pytest
 import torch
-from harness import Server
+from harness import Server, free_port
 
 from budgets import extra_args, oracle
 from h2o_vllm.config import H2OConfig
@@ -16,7 +18,7 @@ from h2o_vllm.config import H2OConfig
 BLOCK = 16
 ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 4}
 FLAGS = ["--kv-eviction", "h2o", "--h2o-heavy-tokens", "8", "--h2o-recent-tokens", "8",
-         "--h2o-interval", "4", "--block-size", str(BLOCK)]
+         "--h2o-interval", "4", "--block-size", str(BLOCK), "--enable-prompt-tokens-details"]
 MAX_TOKENS = 24
 XARGS = [None, extra_args({"heavy_tokens": 4, "recent_tokens": 6, "interval": 1})]
 
@@ -74,14 +76,31 @@ def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
     assert "recomputes its prompt" not in decode.tail(200_000)
 
 
-def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(pair, tiny_llama_dir):
+@pytest.fixture(scope="module")
+def nixl_pair(tiny_llama_dir):
+    """Two servers on vLLM's NixlConnector settings; each its own NIXL metadata port."""
+    config = ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
+    servers = [Server(tiny_llama_dir, [*FLAGS, *config], env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+               for _ in range(2)]
+    try:
+        for server in servers:
+            server.wait_ready()
+            server.model = server.client().models.list().data[0].id
+        yield tuple(servers)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "NixlConnector"])
+def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(connector, request, tiny_llama_dir):
     """What vLLM's disaggregation proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
     upstream, not in the wheel) sends: the prefill gets ``kv_transfer_params``
     ``do_remote_decode`` and ``max_tokens`` 1; the decode gets the original request plus the
     prefill's ``kv_transfer_params``, streamed back. The decode's answer is the whole answer,
     the producer's first token included, and equals the oracle's."""
     from transformers import AutoModelForCausalLM
-    prefill, decode = pair
+    prefill, decode = request.getfixturevalue("nixl_pair" if connector == "NixlConnector" else "pair")
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     remote_decode = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -91,6 +110,7 @@ def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(pair, tin
                 model=prefill.model, prompt=prompt, max_tokens=1, temperature=0.0,
                 extra_body={"ignore_eos": True, "kv_transfer_params": remote_decode})
             params = first.kv_transfer_params or (first.model_extra or {}).get("kv_transfer_params")
+            assert ("h2o_nixl" in params) == (connector == "NixlConnector")
             body = {"ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}
             answer = decode.client().completions.create(
                 model=decode.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=stream,
@@ -104,4 +124,6 @@ def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(pair, tin
             dense = {k: v for k, v in vars(H2OConfig.from_dict(ENGINE_H2O)).items() if v is not None}
             assert tokens == oracle(model, dense, BLOCK).generate([prompt], MAX_TOKENS)[0], (stream, len(prompt))
             assert usage.completion_tokens == MAX_TOKENS and usage.prompt_tokens == len(prompt)
+            # The prompt was loaded (vLLM counts loaded tokens as cached), not computed here.
+            assert usage.prompt_tokens_details.cached_tokens == len(prompt), usage
     assert "recomputes its prompt" not in decode.tail(200_000)

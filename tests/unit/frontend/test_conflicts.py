@@ -85,14 +85,28 @@ def test_speculators_h2o_cannot_run_exactly_are_refused_naming_the_way_out(kwarg
         assert f"drop {flag}" in message
 
 
-@pytest.mark.parametrize("name", ["NixlConnector", "OffloadingConnector", "LMCacheConnectorV1",
+@pytest.mark.parametrize("name", ["NixlPushConnector", "OffloadingConnector", "LMCacheConnectorV1",
                                   "MultiConnector", "SimpleCPUOffloadConnector"])
 def test_connectors_that_move_blocks_by_position_are_refused_naming_h2os(name):
     from vllm.config import KVTransferConfig
     kv = KVTransferConfig(kv_connector=name, kv_role="kv_both")
     message = _refusal(conflicts.check_engine_args, _args(kv_transfer_config=kv), H2O)
-    assert name in message and "--kv-transfer-config" in message and "ExampleConnector" in message
+    assert name in message and "--kv-transfer-config" in message
+    assert '"NixlConnector"' in message and '"ExampleConnector"' in message
     assert "by token position" in message and "turn H2O KV eviction off" in message
+
+
+def test_nixl_connector_settings_run_h2os_nixl_connector_or_name_the_install(monkeypatch):
+    from h2o_vllm.frontend import kv_transfer_config
+    args = _args(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    monkeypatch.setattr(kv_transfer_config, "nixl_missing", lambda: "ImportError: No module named 'nixl'")
+    message = _refusal(conflicts.check_engine_args, args, H2O)
+    assert "NixlConnector" in message and "pip install 'h2o-vllm[nixl]'" in message and "No module" in message
+    assert "turn H2O KV eviction off" in message
+    monkeypatch.setattr(kv_transfer_config, "nixl_missing", lambda: None)
+    conflicts.check_engine_args(args, H2O)
+    assert kv_transfer_config.settle(args) == "H2ONixlConnector"
+    assert args.kv_transfer_config["kv_connector"] == "H2ONixlConnector"
 
 
 @pytest.mark.parametrize("as_dict", [True, False])

@@ -44,12 +44,14 @@ def test_saved_positions_load_into_other_blocks_unchanged(tmp_path, layout):
     store = KVStore(tmp_path)
     kv_len = 10  # three blocks, the last one part full
     save = KVMove("r", "key", (5, 2, 7), kv_len)
-    written = transfer.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache)], store, 0)
+    written = transfer.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache)],
+                             lambda move, tensors: store.write_rank(move.key, 0, tensors))
     assert written == store.rank_path("key", 0).stat().st_size
     stored = store.read_rank("key", 0)
     assert stored["l0.k"].shape == (kv_len, HEADS, HEAD_SIZE) and stored["l0.scores"].shape == (kv_len, HEADS)
     load = KVMove("r", "key", (1, 6, 3), kv_len)
-    transfer.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache)], store, 0)
+    transfer.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache)],
+                   lambda move: store.read_rank(move.key, 0))
     got = views_of(consumer.kv_cache)
     for pos in range(kv_len):
         src, dst = (save.block_ids[pos // BLOCK], pos % BLOCK), (load.block_ids[pos // BLOCK], pos % BLOCK)
