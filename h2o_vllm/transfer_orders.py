@@ -31,9 +31,8 @@ class KVMove:
 class NixlPeer:
     """One worker rank's NIXL agent and its registered staging buffer."""
     agent: str
-    host: str
-    port: int
-    base: int  # the staging buffer's address in that rank's process
+    metadata: str  # the agent's NIXL metadata (base64): how to reach it and its buffer's keys
+    base: int      # the staging buffer's address in that rank's process
 
 
 @dataclass(frozen=True)

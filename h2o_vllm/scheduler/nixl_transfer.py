@@ -105,7 +105,7 @@ class NixlTransferScheduler(TransferScheduler):
     def _commit(self, req_id: str, key: str, stored: StoredPrompt) -> dict:
         reservation = self.staging.commit(self.tickets.pop(req_id))
         return {PARAMS: {"ticket": reservation.ticket, "offset": reservation.offset, "nbytes": reservation.nbytes,
-                         "peers": [[p.agent, p.host, p.port, p.base] for p in self.peers]}}
+                         "peers": [[p.agent, p.metadata, p.base] for p in self.peers]}}
 
     def _forget(self, req_id: str) -> None:
         ticket = self.tickets.pop(req_id, None)

@@ -172,8 +172,7 @@ class H2OTransferReport(KVConnectorWorkerMetadata):
 #: ``kv_connector_extra_config`` keys of H2O's NIXL connector, with their defaults.
 STAGING_MIB, STAGING_MIB_DEFAULT = "h2o_staging_mib", 1024
 LEASE_S, LEASE_S_DEFAULT = "kv_lease_duration", 120
-PORT = "h2o_nixl_port"  # the first rank's metadata port; VLLM_NIXL_SIDE_CHANNEL_PORT otherwise
-TIMEOUT_S, TIMEOUT_S_DEFAULT = "h2o_nixl_timeout_s", 30  # a consumer's wait for a producer's metadata
+TIMEOUT_S, TIMEOUT_S_DEFAULT = "h2o_nixl_timeout_s", 30  # a decoder's wait for one read
 
 
 class H2ONixlConnector(H2OConnector):
@@ -214,20 +213,15 @@ class H2ONixlConnector(H2OConnector):
     # Worker side.
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        import vllm.envs as envs
-
         from h2o_vllm.worker.nixl_transport import NixlTransport, StateLayout
         layers = sorted(self._layers(), key=lambda layer: layer[0])
         views, _ = layers[0][1].cache_state(layers[0][2])
         _, _, kv_heads, head_size = views.keys.shape
         self.layout = StateLayout(tuple(name for name, _, _ in layers), kv_heads, head_size, views.keys.dtype)
-        parallel = self._vllm_config.parallel_config
         rank = _rank()
-        base = int(self._kv_transfer_config.get_from_extra_config(PORT, envs.VLLM_NIXL_SIDE_CHANNEL_PORT))
-        port = base + parallel.data_parallel_index * parallel.tensor_parallel_size + rank
-        name = f"h2o-{self._kv_transfer_config.engine_id}-dp{parallel.data_parallel_index}-tp{rank}"
+        name = f"h2o-{self._kv_transfer_config.engine_id}-dp{self._vllm_config.parallel_config.data_parallel_index}-tp{rank}"
         timeout = float(self._kv_transfer_config.get_from_extra_config(TIMEOUT_S, TIMEOUT_S_DEFAULT))
-        self.nixl = NixlTransport(name, envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port, self._staging_bytes(), rank, timeout)
+        self.nixl = NixlTransport(name, self._staging_bytes(), rank, timeout)
 
     def get_handshake_metadata(self) -> H2ONixlHandshake | None:
         return H2ONixlHandshake(self.nixl.peer) if self.nixl is not None else None

@@ -1,8 +1,11 @@
 """NixlTransport: a worker rank's NIXL agent, carrying H2O's state between engines.
 
 Runs in the worker process; imports no vLLM, and ``nixl`` only when built. Each rank has one
-agent (UCX) with a metadata listener on its own port, and one staging buffer in host memory,
-registered once. A producer rank packs a finished prompt's state into its buffer at the
+agent (UCX) and one staging buffer in host memory, registered once. Its NIXL metadata (a few
+hundred bytes: how to reach it, its buffer's keys) travels in the request's
+``kv_transfer_params``, so a decoder needs no connection to a listener first: a NIXL
+listener thread of a producer pinned beside vLLM's busy OpenMP threads was found to leave
+decoders waiting for metadata for tens of seconds. A producer rank packs a finished prompt's state into its buffer at the
 offset the scheduler reserved (``packed_state``); a consumer rank reads it with one NIXL
 READ from the producer rank of the same index, checks both seals, and keeps the bytes until
 the request's load writes them into the paged cache (``worker.transfer.load``). The READ
@@ -17,7 +20,9 @@ travel in the same run.
 """
 from __future__ import annotations
 
-import socket
+import base64
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -49,19 +54,44 @@ class _Read:
     forgotten: bool = False
 
 
+@contextlib.contextmanager
+def _on_spare_cores():
+    """Threads started here run on the cores this thread is not pinned to. NIXL's threads
+    (UCX's, which serve reads and notifications) inherit the CPU set of the thread that starts
+    them, and vLLM's CPU worker pins its main thread to its OpenMP cores, which its runtime
+    keeps busy; vLLM reserves other cores for a connector's threads
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``)."""
+    pinned = os.sched_getaffinity(0)
+    spare = set(range(os.cpu_count() or 1)) - pinned
+    moved = False
+    for cores in (spare, spare | pinned):
+        if cores and cores != pinned:
+            try:
+                os.sched_setaffinity(0, cores)
+                moved = True
+                break
+            except OSError:  # cores outside this container's set
+                continue
+    try:
+        yield
+    finally:
+        if moved:
+            os.sched_setaffinity(0, pinned)
+
+
 class NixlTransport:
-    def __init__(self, name: str, host: str, port: int, staging_bytes: int, rank: int,
-                 metadata_timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, staging_bytes: int, rank: int, timeout_s: float = 30.0) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
-        self.agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=True, listen_port=port,
-                                                        backends=["UCX"]))
+        with _on_spare_cores():
+            self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
         self._registered = self.agent.register_memory(self.agent.get_reg_descs(self.staging))
-        self.peer = NixlPeer(name, host, port, self.staging.data_ptr())
-        self.rank, self.metadata_timeout_s = rank, metadata_timeout_s
+        metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        self.peer = NixlPeer(name, metadata, self.staging.data_ptr())
+        self.rank, self.timeout_s = rank, timeout_s
         self.reads: dict[str, _Read] = {}
         self.fetched: dict[str, tuple[torch.Tensor, KVFetch]] = {}
-        self._asked: set[str] = set()  # remote agents whose metadata was asked for
+        self._known: set[str] = set()  # remote agents added from their metadata
         self._report = TransferReport()
 
     # Producer.
@@ -81,15 +111,15 @@ class NixlTransport:
         peer = fetch.peers[self.rank]
         buffer = torch.empty(fetch.nbytes, dtype=torch.uint8)
         registered = self.agent.register_memory(self.agent.get_reg_descs(buffer))
-        if peer.agent not in self._asked:
-            try:  # NIXL's metadata client takes an IP address, not a host name
-                address = socket.gethostbyname(peer.host)
-            except OSError:
-                address = peer.host  # the read then fails with the name in its reason
-            self.agent.fetch_remote_metadata(peer.agent, address, peer.port)
-            self._asked.add(peer.agent)
-        self.reads[fetch.req_id] = _Read(fetch, peer, buffer, registered,
-                                         time.monotonic() + self.metadata_timeout_s)
+        read = _Read(fetch, peer, buffer, registered, time.monotonic() + self.timeout_s)
+        self.reads[fetch.req_id] = read
+        try:
+            if peer.agent not in self._known:
+                self.agent.add_remote_agent(base64.b64decode(peer.metadata))
+                self._known.add(peer.agent)
+            self._start(read)
+        except Exception as e:  # nixl's own errors: metadata it cannot use, a peer it cannot reach
+            self._end(fetch.req_id, f"NIXL could not read from {peer.agent}: {e}")
 
     def forget(self, req_id: str) -> None:
         """No request will load ``req_id``'s state: drop it (once its read has ended)."""
@@ -108,17 +138,6 @@ class NixlTransport:
     def poll(self) -> TransferReport:
         """Advance the reads, collect the producer's notifications; the news since the last poll."""
         for req_id, read in list(self.reads.items()):
-            if read.handle is None:
-                if not self.agent.check_remote_metadata(read.peer.agent):
-                    if time.monotonic() > read.deadline:
-                        self._asked.discard(read.peer.agent)
-                        self._end(req_id, f"no NIXL metadata from {read.peer.agent} at "
-                                          f"{read.peer.host}:{read.peer.port} within {self.metadata_timeout_s:g} s")
-                    continue
-                self._start(read)
-                if read.handle is None:
-                    self._end(req_id, f"NIXL could not start the read from {read.peer.agent}")
-                    continue
             state = self.agent.check_xfer_state(read.handle)
             if state == "DONE":
                 whole = read.buffer[:SEAL], read.buffer[-SEAL:]
@@ -128,6 +147,8 @@ class NixlTransport:
                                                   "released or reused its staging space first)")
             elif state == "ERR":
                 self._end(req_id, f"NIXL reported an error reading from {read.peer.agent}")
+            elif time.monotonic() > read.deadline:
+                self._end(req_id, f"the read from {read.peer.agent} did not finish within {self.timeout_s:g} s")
         for messages in self.agent.get_new_notifs().values():
             for message in messages:
                 if message.startswith(READ_MARK):
@@ -141,13 +162,9 @@ class NixlTransport:
         local = self.agent.get_xfer_descs([(read.buffer.data_ptr(), n, 0)], "DRAM")
         remote = self.agent.get_xfer_descs([(read.peer.base + read.fetch.offset, n, 0)], "DRAM")
         notice = READ_MARK + f"{read.fetch.ticket}:{self.rank}".encode()
-        try:
-            read.handle = self.agent.initialize_xfer("READ", local, remote, read.peer.agent, notice)
-            if self.agent.transfer(read.handle) == "ERR":
-                self.agent.release_xfer_handle(read.handle)
-                read.handle = None
-        except Exception:  # nixl raises its own errors for an unreachable peer
-            read.handle = None
+        read.handle = self.agent.initialize_xfer("READ", local, remote, read.peer.agent, notice)
+        if self.agent.transfer(read.handle) == "ERR":
+            raise RuntimeError("the transfer did not start")
 
     def _end(self, req_id: str, error: str | None) -> None:
         read = self.reads.pop(req_id)

@@ -11,6 +11,7 @@ the faults: bytes that are not the state named (the producer's space reused), a 
 that is gone, an abort while the read is in flight, and the producer's space given back
 once read.
 """
+import base64
 import math
 
 import pytest
@@ -41,18 +42,10 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kv_transfer() -> dict:
-    """vLLM's NixlConnector settings (H2O runs its own in its place), a metadata port of its own."""
+    """vLLM's NixlConnector settings (H2O runs its own in its place)."""
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"h2o_nixl_port": _free_port(), "h2o_staging_mib": STAGING_MIB,
-                                          "h2o_nixl_timeout_s": 3}}
+            "kv_connector_extra_config": {"h2o_staging_mib": STAGING_MIB}}
 
 
 def _engine(model_dir, in_process: bool):
@@ -194,14 +187,15 @@ def test_the_producers_space_comes_back_once_read(producer, produced, consumed, 
 def test_bytes_that_are_not_the_state_named_or_a_producer_gone_recompute_exactly(consumed, consumer, produced,
                                                                                 expected):
     """A ticket that does not match what the bytes were sealed with (the producer's space given
-    back and written again), and a producer whose metadata never comes: each request computes
+    back and written again), and a producer NIXL cannot reach: each request computes
     its prompt here, exactly, and says why."""
     transfer = scheduler_of(consumer).connector.transfer
     before = (transfer.num_loaded, transfer.num_recomputed)
     requests = [("engine", 3), ("tokens-8+8-interval1", 4)]
     params = {r: {**produced[r], "h2o_nixl": dict(produced[r]["h2o_nixl"])} for r in requests}
     params[requests[0]]["h2o_nixl"]["ticket"] += 1000
-    params[requests[1]]["h2o_nixl"]["peers"] = [["h2o-gone", "127.0.0.1", _free_port(), 4096]]
+    gone = base64.b64encode(b"an agent that is no more").decode()
+    params[requests[1]]["h2o_nixl"]["peers"] = [["h2o-gone", gone, 4096]]
     outputs, _ = _decode(consumer, requests, params)
     for n, request in enumerate(requests):
         assert outputs[str(n)] == expected[request], request

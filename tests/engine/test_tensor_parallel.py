@@ -117,3 +117,34 @@ def test_tp2_kv_transfer_pair_saves_a_file_per_rank_and_matches_the_oracle(tiny_
             assert scheduler_of(llm).connector.transfer.num_loaded == len(PROMPTS)
     got = [f + r for f, r in zip(firsts, rest)]
     assert got == oracle(hf_model_tp, budget, BLOCK).generate(PROMPTS, MAX_TOKENS)
+
+
+def test_tp2_nixl_pair_reads_each_ranks_share_and_matches_the_oracle(tiny_llama_dir, hf_model_tp):
+    """A TP=2 producer and a TP=2 consumer on vLLM's NixlConnector settings, both up at once:
+    each consumer rank reads its KV head's kept state from the producer rank of its index
+    (two peers in the params, one packed run each), and the pair equals the oracle."""
+    from h2o_vllm.frontend.kv_transfer_config import nixl_missing
+    if nixl_missing() is not None:
+        pytest.skip(f"nixl does not import here ({nixl_missing()}): pip install 'h2o-vllm[nixl]'")
+    from vllm import SamplingParams
+
+    def kv():
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"h2o_staging_mib": 1}}
+    budget = BUDGETS[1]
+    remote = {"do_remote_decode": True, "do_remote_prefill": False}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        common = dict(in_process=True, tensor_parallel_size=2, block_size=BLOCK, additional_config={"h2o": {}})
+        with vllm_engine(tiny_llama_dir, kv_transfer_config=kv(), **common) as producer:
+            first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                   extra_args={**extra_args(budget), "kv_transfer_params": remote})
+            params = [o.kv_transfer_params for o in producer.generate(prompts, first, use_tqdm=False)]
+            assert all(len(p["h2o_nixl"]["peers"]) == 2 for p in params)
+            with vllm_engine(tiny_llama_dir, kv_transfer_config=kv(), **common) as consumer:
+                decode = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                         extra_args={**extra_args(budget), "kv_transfer_params": p}) for p in params]
+                got = [list(o.outputs[0].token_ids) for o in consumer.generate(prompts, decode, use_tqdm=False)]
+                assert scheduler_of(consumer).connector.transfer.num_loaded == len(PROMPTS)
+    assert got == oracle(hf_model_tp, budget, BLOCK).generate(PROMPTS, MAX_TOKENS)

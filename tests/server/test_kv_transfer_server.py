@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from harness import Server, free_port
+from harness import Server
 
 from budgets import extra_args, oracle
 from h2o_vllm.config import H2OConfig
@@ -78,10 +78,9 @@ def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def nixl_pair(tiny_llama_dir):
-    """Two servers on vLLM's NixlConnector settings; each its own NIXL metadata port."""
+    """Two servers on vLLM's NixlConnector settings."""
     config = ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
-    servers = [Server(tiny_llama_dir, [*FLAGS, *config], env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-               for _ in range(2)]
+    servers = [Server(tiny_llama_dir, [*FLAGS, *config]) for _ in range(2)]
     try:
         for server in servers:
             server.wait_ready()
