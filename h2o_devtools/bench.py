@@ -54,16 +54,29 @@ def run_child(script: str, job: dict, stem: Path, env: dict[str, str], what: str
     """Run ``script --one <job>`` in a fresh process (own engine, clean memory and timing),
     its output in ``<stem>.log``; returns the dict it wrote to ``job["result"]``. ``timeout``
     (s): the child is killed past it and ``subprocess.TimeoutExpired`` raised."""
-    job_path, log_path = Path(f"{stem}.job.json"), Path(f"{stem}.log")
-    job_path.write_text(json.dumps(job))
+    proc = spawn_child(script, job, stem, env)
     try:
-        with open(log_path, "w") as log:
-            rc = subprocess.run([sys.executable, script, "--one", str(job_path)], timeout=timeout,
-                                env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    finally:
-        job_path.unlink()
-    if rc != 0:
-        raise RuntimeError(f"{what} failed (exit {rc}); see {log_path}")
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return child_result(job, stem, what, rc)
+
+
+def spawn_child(script: str, job: dict, stem: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``run_child`` without waiting: for a child that must stay up while another runs."""
+    job_path = Path(f"{stem}.job.json")
+    job_path.write_text(json.dumps(job))
+    with open(f"{stem}.log", "w") as log:
+        return subprocess.Popen([sys.executable, script, "--one", str(job_path)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def child_result(job: dict, stem: Path, what: str, rc: int | None = 0) -> dict:
+    """What a child wrote to ``job["result"]`` (``rc``: its exit status, None while it runs)."""
+    Path(f"{stem}.job.json").unlink(missing_ok=True)
+    if rc:
+        raise RuntimeError(f"{what} failed (exit {rc}); see {stem}.log")
     result_path = Path(job["result"])
     result = json.loads(result_path.read_text())
     result_path.unlink()
@@ -216,6 +229,7 @@ def preemptions(llm) -> int:
 
 def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     """Submit every prompt at once, step the engine to the end, sample the scheduler per step.
+    ``params``: one ``SamplingParams``, or one per prompt.
 
     running: ``len(scheduler.running)``; blocks_used: pool blocks not free (the null block
     excluded); held_by_kind: ``introspect.held_blocks_by_kind``; peak_blocks_allocated: the
@@ -240,7 +254,8 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     with introspect.after_each_allocation(pool, allocated):
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+            engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt},
+                               params[i] if isinstance(params, list) else params)
         first_seen = set()
         while engine.has_unfinished_requests():
             outputs = engine.step()
