@@ -141,6 +141,10 @@ block pool, preemption count).
   plan. ``H2OManager.allocate_external_computed_blocks`` overrides vLLM's allocation of a
   load (KV space, not the prompt). Why: vLLM's connectors move blocks by token position, and
   a consumer's request is the producer's continued (its prompt one token shorter for H2O).
+  ``H2ONixlConnector`` also uses the base class's worker-to-scheduler channels
+  (``get_handshake_metadata`` / ``set_xfer_handshake_metadata``: each rank's NIXL agent;
+  ``build_connector_worker_meta`` / ``update_connector_output``: reads done, staging read) and
+  answers a match of None while a state is being read (vLLM skips the request that step).
   Upstream: none needed for the connector itself; a way for a connector to tell the KV-cache
   manager how many slots a load fills would remove the override.
 - ``install_triton_on_cpu`` (module ``triton_on_cpu``), only with ``H2O_VLLM_TRITON_ON_CPU=1``,

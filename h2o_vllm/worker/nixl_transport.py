@@ -84,7 +84,7 @@ class NixlTransport:
         from nixl._api import nixl_agent, nixl_agent_config
         with _on_spare_cores():
             self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self.staging = torch.zeros(staging_bytes, dtype=torch.uint8)
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8)  # pages committed as states land
         self._registered = self.agent.register_memory(self.agent.get_reg_descs(self.staging))
         metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self.peer = NixlPeer(name, metadata, self.staging.data_ptr())

@@ -175,6 +175,13 @@ OVERRIDDEN = {
     f"{_KV_BASE}.save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
     f"{_KV_BASE}.wait_for_save": ["self"],
     f"{_KV_BASE}._get_connector_metadata": ["self"],
+    # H2ONixlConnector's: the workers' handshake and per-step news to the scheduler.
+    f"{_KV_BASE}.register_kv_caches": ["self", "kv_caches"],
+    f"{_KV_BASE}.get_handshake_metadata": ["self"],
+    f"{_KV_BASE}.set_xfer_handshake_metadata": ["self", "metadata"],
+    f"{_KV_BASE}.build_connector_worker_meta": ["self"],
+    f"{_KV_BASE}.update_connector_output": ["self", "connector_output"],
+    f"{_KV_BASE}.shutdown": ["self"],
     "vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory.register_connector":
         ["name", "module_path", "class_name"],
 }
@@ -395,6 +402,24 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     assert "start_after_forward = not scheduler_output.has_sync_kv_loads" in mixin
     from vllm.config import CompilationConfig
     assert "static_forward_context" in {f.name for f in dataclasses.fields(CompilationConfig)}
+
+
+def test_vllm_carries_what_h2os_nixl_connector_counts_on():
+    """``H2ONixlConnector``: a match of None holds the request back a step (its state is being
+    read); steps with nothing scheduled still run the connector (reads progress while every
+    request waits); the workers' metadata reach the scheduler merged by ``aggregate``, their
+    handshake metadata by ``set_xfer_handshake_metadata`` after the caches are registered."""
+    source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
+    assert re.search(r"if ext_tokens is None:\s*(#[^\n]*\s*)*skip_request\(", source)
+    from vllm.v1.outputs import KVConnectorOutput
+    assert "kv_connector_worker_meta" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    mixin = inspect.getsource(importlib.import_module("vllm.v1.worker.kv_connector_model_runner_mixin"))
+    assert "output.kv_connector_worker_meta = kv_connector.build_connector_worker_meta()" in mixin
+    assert "def kv_connector_no_forward(" in mixin
+    utils = inspect.getsource(importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils"))
+    assert ".aggregate(" in utils
+    core = inspect.getsource(importlib.import_module("vllm.v1.engine.core"))
+    assert "set_xfer_handshake_metadata_pp_aware(content)" in core
 
 
 def test_vllms_pd_protocol_reaches_the_engine_core_as_h2o_rewrites_it():
