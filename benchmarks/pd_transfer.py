@@ -27,7 +27,11 @@ vLLM's NIXL connector, the decoder reads the prompt's blocks; h2o: H2O's, it rea
 kept state), as vLLM's disaggregation proxy drives them: the producer prefills with
 ``do_remote_decode`` and stays up while the consumer gets the original prompts with the
 producer's ``kv_transfer_params``. Bytes per request are what the decoder reads: the blocks
-named in stock's params times a block's K/V bytes, the ``nbytes`` named in H2O's.
+named in stock's params times a block's K/V bytes, the ``nbytes`` named in H2O's. The producer
+holds every prompt until the decoder reads it (stock: its KV blocks, which vLLM's NIXL
+connector keeps until read; H2O: its staging memory, its blocks free at once), so run one
+phase after the other its pool fits all of them, both systems alike, and leases outlast the
+run; the decoder's pool is ``--num-blocks`` as for the storage pair.
 """
 from __future__ import annotations
 
@@ -74,7 +78,8 @@ def run_one(job: dict) -> dict:
     if job["role"] != "single" and nixl:
         llm_kwargs["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                             "kv_buffer_device": "cpu",
-                                            "kv_connector_extra_config": {"h2o_staging_mib": job["staging_mib"]}}
+                                            "kv_connector_extra_config": {"h2o_staging_mib": job["staging_mib"],
+                                                                          "kv_lease_duration": 3600}}
     elif job["role"] != "single":
         llm_kwargs["kv_transfer_config"] = {
             "kv_connector": "ExampleConnector", "kv_role": f"kv_{job['role']}",
@@ -156,10 +161,11 @@ def _nixl_pair(args, system: str, prompts, out: Path, common: dict, env: dict) -
     config = AutoConfig.from_pretrained(args.model)
     head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     block_bytes = config.num_hidden_layers * 2 * args.block_size * config.num_key_value_heads * head_size * 4
+    holds_all = len(prompts) * -(-(args.prompt_len + 1) // args.block_size) + 8
     jobs = {}
-    for port, role in ((5610, "producer"), (5620, "consumer")):
+    for port, role, blocks in ((5610, "producer", max(args.num_blocks, holds_all)), (5620, "consumer", args.num_blocks)):
         stem = out / "logs" / f"{system}-nixl-{role}"
-        jobs[role] = (stem, dict(common, role=role, connector="nixl", num_blocks=args.num_blocks,
+        jobs[role] = (stem, dict(common, role=role, connector="nixl", num_blocks=blocks,
                                  staging_mib=1024, result=f"{stem}.result.json"),
                       dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(port)))
     stem, job, penv = jobs["producer"]

@@ -39,6 +39,14 @@ METRICS = {
     "live_kv_tokens": ("gauge", "KV tokens held per (layer, KV head) by running requests."),
     "score_record_tokens": ("gauge", "Prefix-cache score records held, in tokens: each is one fp32 "
                                      "per (layer, KV head) (0 with prefix caching off)."),
+    "kv_transfer_saved_bytes": ("counter", "Bytes of kept K/V and scores a KV-transfer producer "
+                                           "wrote (files or NIXL staging), summed over ranks."),
+    "kv_transfer_loaded_prompts": ("counter", "Prompts a KV-transfer consumer loaded from a producer's "
+                                              "state instead of computing them."),
+    "kv_transfer_recomputed_prompts": ("counter", "Prompts a KV-transfer consumer computed itself "
+                                                  "because the producer's state could not be loaded."),
+    "kv_transfer_staging_bytes": ("gauge", "NIXL staging bytes a producer holds for decoders "
+                                           "that have not read them yet."),
 }
 
 

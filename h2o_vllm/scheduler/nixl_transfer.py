@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from h2o_vllm import metrics
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.kv_store import StoredPrompt
 from h2o_vllm.packed_state import packed_nbytes
@@ -126,13 +127,16 @@ class NixlTransferScheduler(TransferScheduler):
         orders = super().orders(scheduler_output, requests, manager)
         orders.fetches, self.fetches = self.fetches, []
         orders.forgets, self.forgets = self.forgets, []
+        metrics.recorder().set(kv_transfer_staging_bytes=self.staging.used)
         return orders
 
     def update(self, report: TransferReport) -> None:
-        """The workers' news of a step: fetches done, staging read by a consumer."""
+        """The workers' news of a step: fetches done, staging read by a consumer. (An idle
+        producer hears of reads at its next step; it only needs the space then.)"""
         for req_id, results in report.fetched.items():
             if req_id in self.fetching:
                 self.fetching[req_id].update(results)
         for ticket, rank in report.read:
             self.staging.read(ticket, rank)
         self.staging.expire()
+        metrics.recorder().set(kv_transfer_staging_bytes=self.staging.used)

@@ -24,6 +24,7 @@ import logging
 
 from vllm.utils.math_utils import cdiv
 
+from h2o_vllm import metrics
 from h2o_vllm.config import H2OConfig, request_config
 from h2o_vllm.kv_store import KVStore, StoredPrompt, state_key
 from h2o_vllm.policy import kv_len_after
@@ -131,6 +132,7 @@ class TransferScheduler:
             self._forget(rid)
             manager.unload(rid)
             self.num_recomputed += 1
+            metrics.recorder().add(kv_transfer_recomputed_prompts=1)
             logger.warning("h2o: request %s recomputes its prompt instead of loading the producer's "
                            "KV state: %s", rid, flaw)
             return 0
@@ -176,6 +178,7 @@ class TransferScheduler:
         self.loads.append(KVMove(request.request_id, key,
                                  tuple(block_ids[:cdiv(stored.kv_len, self.block_size)]), stored.kv_len))
         self.num_loaded += 1
+        metrics.recorder().add(kv_transfer_loaded_prompts=1)
 
     def orders(self, scheduler_output, requests, manager) -> TransferOrders:
         """This step's orders: prompt lengths, the loads allocated since the last step, and

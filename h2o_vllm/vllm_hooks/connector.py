@@ -133,8 +133,9 @@ class H2OConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         orders = self._get_connector_metadata().orders
         if orders.saves:
+            from h2o_vllm import metrics
             from h2o_vllm.worker import transfer
-            transfer.save(orders, self._layers(), self._write)
+            metrics.recorder().add(kv_transfer_saved_bytes=transfer.save(orders, self._layers(), self._write))
 
 
 class H2OStorageConnector(H2OConnector):

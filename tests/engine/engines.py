@@ -206,3 +206,23 @@ def repeated_passages(model_dir, shapes) -> list[list[int]]:
         passage = tokenizer(" ".join(words[i * 400:i * 400 + n])).input_ids
         prompts.append((passage * repeats)[:len(passage) * repeats - len(passage) // 2])
     return prompts
+
+
+def drive_checked(llm, prompts, params, engine_h2o: dict, block_size: int, **kwargs):
+    """``run_steps`` with the block lists checked after every step and the pool drained after;
+    returns (outputs, seen): ``seen["evicted"]`` per check, ``seen["held"]`` each request's
+    block counts (by the id it was added with)."""
+    scheduler = scheduler_of(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    seen = {"evicted": [], "held": {}}
+    _, manager = h2o_group(scheduler)
+
+    def check():
+        seen["evicted"].extend(check_block_lists(llm, engine_h2o, block_size))
+        for request in scheduler.running:
+            held = seen["held"].setdefault(request.request_id.rsplit("-", 1)[0], [])  # vLLM adds a suffix
+            held.append(len(manager.req_to_blocks[request.request_id]))
+    outputs = run_steps(llm, prompts, params, on_step=check, **kwargs)
+    assert pool.get_num_free_blocks() == free_before, "blocks leaked"
+    return outputs, seen

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from budgets import BUDGETS, extra_args, oracle
-from engines import check_block_lists, greedy, h2o_group, random_prompts, run_steps, scheduler_of, vllm_engine
+from engines import drive_checked, greedy, random_prompts, scheduler_of, vllm_engine
 from h2o_vllm.frontend.kv_transfer_config import nixl_missing
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None,
@@ -95,21 +95,9 @@ def consumer(tiny_llama_dir, produced):
 
 
 def _drive(llm, prompts, params, **kwargs):
-    """``run_steps`` with the block lists checked after every step; the pool drained after."""
-    scheduler = scheduler_of(llm)
-    pool = scheduler.kv_cache_manager.block_pool
-    free_before = pool.get_num_free_blocks()
-    seen = {"evicted": [], "held": {}}
-    _, manager = h2o_group(scheduler)
-
-    def check():
-        seen["evicted"].extend(check_block_lists(llm, ENGINE_H2O, BLOCK))
-        for request in scheduler.running:
-            held = seen["held"].setdefault(request.request_id.rsplit("-", 1)[0], [])
-            held.append(len(manager.req_to_blocks[request.request_id]))
-    outputs = run_steps(llm, prompts, params, on_step=check, **kwargs)
-    assert pool.get_num_free_blocks() == free_before, "blocks leaked"
-    transfer = scheduler.connector.transfer
+    """``drive_checked``, and no fetch left behind."""
+    outputs, seen = drive_checked(llm, prompts, params, ENGINE_H2O, BLOCK, **kwargs)
+    transfer = scheduler_of(llm).connector.transfer
     assert not transfer.fetching and not transfer.named, "the consumer holds fetches of finished requests"
     return outputs, seen
 

@@ -126,3 +126,12 @@ def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(connector
             # The prompt was loaded (vLLM counts loaded tokens as cached), not computed here.
             assert usage.prompt_tokens_details.cached_tokens == len(prompt), usage
     assert "recomputes its prompt" not in decode.tail(200_000)
+    # Four prompts each way; each loaded once (its prefill state), none computed on the decoder.
+    # (A producer hears of reads at its next step: one more request makes one.)
+    _complete(prefill, [5, 6, 7], 2, None)
+    produced, consumed = prefill.settled_metrics(), decode.settled_metrics()
+    assert consumed["kv_transfer_loaded_prompts_total"] >= 2 * len(_prompts())
+    assert consumed.get("kv_transfer_recomputed_prompts_total", 0) == 0
+    assert produced["kv_transfer_saved_bytes_total"] > 0
+    if connector == "NixlConnector":  # every state was read: the producer's staging is empty
+        assert produced["kv_transfer_staging_bytes"] == 0
