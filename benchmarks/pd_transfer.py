@@ -187,6 +187,7 @@ def _nixl_pair(args, system: str, prompts, out: Path, common: dict, env: dict) -
         hold.touch()
         proc.wait(timeout=120)
         hold.unlink(missing_ok=True)
+        Path(job["result"]).unlink(missing_ok=True)  # written again as it exits
     moved = sum(kv["h2o_nixl"]["nbytes"] if "h2o_nixl" in kv
                 else sum(map(len, kv["remote_block_ids"])) * block_bytes for kv in producer["kv_params"])
     return producer, consumer, moved

@@ -350,18 +350,27 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
 
 # A producer and a consumer engine in turn over one storage folder (tests/engine/
 # test_kv_transfer.py has the CPU path's matrix and faults): V1 synchronous, and V2 with async
-# scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache holds).
+# scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache holds); then
+# the V2 one over NIXL (test_kv_transfer_nixl.py has its faults), the producer up beside.
 TRANSFER_CASES = {"v1-chunked-sync-auto": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"}),
                   "v2-chunked-async-fp8": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
-                                               env={V2_ENV: "1"})}
+                                               env={V2_ENV: "1"}),
+                  "v2-chunked-async-fp8-nixl": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
+                                                    env={V2_ENV: "1"}, nixl=True)}
 TRANSFER_BUDGETS = ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1", "ratio-0.1+0.1-block"]
 
 
 @pytest.mark.parametrize("engine", list(TRANSFER_CASES))
 def test_cuda_kv_transfer_pair_matches_the_oracle(tiny_llama_dir, hf_model, tmp_path, engine):
     from h2o_vllm.oracle import FP8_E4M3, StoredKV
-    kwargs = TRANSFER_CASES[engine]
-    outputs, loaded = _serve(transfer_pair, tiny_llama_dir, kwargs, str(tmp_path))
+    kwargs = dict(TRANSFER_CASES[engine])
+    if kwargs.pop("nixl", False):
+        from h2o_vllm.frontend.kv_transfer_config import nixl_missing
+        if nixl_missing() is not None:
+            pytest.skip(f"nixl does not import here ({nixl_missing()}): pip install 'h2o-vllm[nixl]'")
+        outputs, loaded = _serve(nixl_transfer_pair, tiny_llama_dir, kwargs)
+    else:
+        outputs, loaded = _serve(transfer_pair, tiny_llama_dir, kwargs, str(tmp_path))
     stored = FP8_E4M3 if kwargs.get("kv_cache_dtype") == "fp8" else StoredKV()
     n = len(PROMPTS)
     for i, name in enumerate(TRANSFER_BUDGETS):
@@ -390,6 +399,30 @@ def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
         assert pool.get_num_free_blocks() == free, "blocks leaked"
         loaded = scheduler_of(llm).connector.transfer.num_loaded
     return [f + rest[str(i)] for i, f in enumerate(firsts)], loaded
+
+
+def nixl_transfer_pair(model_dir, kwargs) -> tuple[list[list[int]], int]:
+    """The same over NIXL, as vLLM's proxy drives it: the producer (its own processes, up while
+    the consumer reads) answers each prompt's first token and params; the consumer gets the
+    original prompts with them and answers whole."""
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"h2o_staging_mib": 4}}
+    budgets = [extra_args({**BUDGETS, **MODES}[name]) for name in TRANSFER_BUDGETS]
+    prompts = PROMPTS * len(budgets)
+    remote = {"do_remote_decode": True, "do_remote_prefill": False}
+    common = dict(additional_config={"h2o": ENGINE_H2O}, kv_transfer_config=kv, **kwargs)
+    with _engine(model_dir, **dict(common, in_process=False)) as producer:
+        firsts = producer.generate([{"prompt_token_ids": p} for p in prompts],
+                                   [greedy(1, extra_args={**b, "kv_transfer_params": remote})
+                                    for b in budgets for _ in PROMPTS], use_tqdm=False)
+        with _engine(model_dir, **common) as llm:
+            pool = scheduler_of(llm).kv_cache_manager.block_pool
+            free = pool.get_num_free_blocks()
+            params = [greedy(MAX_TOKENS, extra_args={**b, "kv_transfer_params": out.kv_transfer_params})
+                      for b, out in zip([b for b in budgets for _ in PROMPTS], firsts)]
+            outputs = run_steps(llm, prompts, params, on_step=lambda: check_block_lists(llm, ENGINE_H2O, BLOCK))
+            assert pool.get_num_free_blocks() == free, "blocks leaked"
+            loaded = scheduler_of(llm).connector.transfer.num_loaded
+    return [outputs[str(i)] for i in range(len(prompts))], loaded
 
 
 # --------------------------------------------------------------------------- speculative decoding
