@@ -71,9 +71,9 @@ def test_metrics_read_totals_sums_writers_and_ignores_junk(tmp_path):
     _write(tmp_path, "notes.txt", {"evicted_tokens": 1000})
     (tmp_path / "sub.json").mkdir()  # unreadable as a file
     totals = metrics.read_totals(str(tmp_path))
-    assert totals == {"evicted_tokens": 13.5, "freed_blocks": 1, "compactions": 4,
-                      "evicted_attention_mass": 0, "attention_mass": 4, "live_kv_tokens": 7,
-                      "score_record_tokens": 0}
+    assert totals == {**{name: 0 for name in metrics.METRICS},
+                      "evicted_tokens": 13.5, "freed_blocks": 1, "compactions": 4,
+                      "attention_mass": 4, "live_kv_tokens": 7}
 
 
 def test_metrics_read_totals_zero_without_directory(tmp_path, monkeypatch):
@@ -116,7 +116,7 @@ def test_metrics_collector_one_family_per_metric(tmp_path):
     families = {f.name: f for f in metrics.H2OCollector(str(tmp_path)).collect()}
     share = metrics.PREFIX + "evicted_attention_share"
     assert set(families) == {metrics.PREFIX + name for name in metrics.METRICS} | {share}
-    summed = {**TOTALS, "evicted_tokens": 20, "live_kv_tokens": 42}
+    summed = {**{name: 0 for name in metrics.METRICS}, **TOTALS, "evicted_tokens": 20, "live_kv_tokens": 42}
     for name, (kind, doc) in metrics.METRICS.items():
         family = families[metrics.PREFIX + name]
         assert (family.type, family.documentation) == (kind, doc)
