@@ -45,7 +45,7 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
 def _kv_transfer() -> dict:
     """vLLM's NixlConnector settings (H2O runs its own in its place)."""
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"h2o_staging_mib": STAGING_MIB}}
+            "kv_connector_extra_config": {"h2o_staging_mib": STAGING_MIB, "h2o_nixl_timeout_s": 150}}
 
 
 def _engine(model_dir, in_process: bool):

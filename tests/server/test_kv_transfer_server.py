@@ -3,9 +3,7 @@
 (``kv_producer``) and a decode one (``kv_consumer``). The client speaks the protocol of
 docs/kv-transfer.md: the prefill instance answers the prompt's first token (``max_tokens`` 1),
 the decode instance gets the prompt plus that token and loads what the prefill compacted.
-The answers equal the dense oracle's. vLLM's proxy protocol runs over NIXL too
-(``NixlConnector`` settings, both ``kv_both``): the decode reads the prefill's kept KV from
-its memory."""
+The answers equal the dense oracle's (test_kv_transfer_nixl_server.py: the same over NIXL)."""
 import json
 
 import pytest
@@ -76,30 +74,18 @@ def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
     assert "recomputes its prompt" not in decode.tail(200_000)
 
 
-@pytest.fixture(scope="module")
-def nixl_pair(tiny_llama_dir):
-    """Two servers on vLLM's NixlConnector settings."""
-    config = ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
-    servers = [Server(tiny_llama_dir, [*FLAGS, *config]) for _ in range(2)]
-    try:
-        for server in servers:
-            server.wait_ready()
-            server.model = server.client().models.list().data[0].id
-        yield tuple(servers)
-    finally:
-        for server in servers:
-            server.stop()
+def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(pair, tiny_llama_dir):
+    check_proxy_protocol(pair, tiny_llama_dir, "ExampleConnector")
 
 
-@pytest.mark.parametrize("connector", ["ExampleConnector", "NixlConnector"])
-def test_vllms_proxy_protocol_original_prompt_with_the_prefills_params(connector, request, tiny_llama_dir):
+def check_proxy_protocol(pair, tiny_llama_dir, connector: str) -> None:
     """What vLLM's disaggregation proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py
     upstream, not in the wheel) sends: the prefill gets ``kv_transfer_params``
     ``do_remote_decode`` and ``max_tokens`` 1; the decode gets the original request plus the
     prefill's ``kv_transfer_params``, streamed back. The decode's answer is the whole answer,
     the producer's first token included, and equals the oracle's."""
     from transformers import AutoModelForCausalLM
-    prefill, decode = request.getfixturevalue("nixl_pair" if connector == "NixlConnector" else "pair")
+    prefill, decode = pair
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     remote_decode = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
