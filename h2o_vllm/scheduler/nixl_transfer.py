@@ -76,6 +76,8 @@ class NixlTransferScheduler(TransferScheduler):
         if flaw is not None:
             return flaw
         results = self.fetching.get(req_id)
+        if results is None and req_id not in self.named:
+            return "it gave up its read earlier (a local prefix hit first)"
         if results is None:
             _, _, where = self.named[req_id]
             self.fetching[req_id] = {}

@@ -114,3 +114,13 @@ def test_a_decoder_request_that_ends_while_reading_drops_its_read():
     assert transfer.matched(request, 0, manager) is None
     transfer.finished(request)
     assert transfer.orders(SimpleNamespace(num_scheduled_tokens={}), {}, manager).forgets == ["c"]
+
+
+def test_a_request_that_gave_up_its_read_for_a_local_hit_computes_its_prompt_after():
+    """A local prefix hit first drops the read; if vLLM later finds no hit after all, the
+    request computes its prompt (it cannot read any more), never a KeyError."""
+    transfer, manager = _nixl(), _manager()
+    request = _decoder(transfer, manager)
+    assert transfer.matched(request, 16, manager) == 0  # a local hit: no read
+    assert transfer.matched(request, 0, manager) == 0 and transfer.num_recomputed == 1
+    assert not transfer.fetching
