@@ -60,12 +60,16 @@ class NixlTransferScheduler(TransferScheduler):
 
     def _committed(self, req_id: str, key: str, kv_params: dict | None = None) -> StoredPrompt | None:
         if kv_params is not None:  # the decoder's request, as vLLM's proxy sends it
-            where = kv_params.get(PARAMS)
-            if not isinstance(where, dict):
+            try:  # a client's params: anything malformed is no state (the prompt is computed here)
+                where = kv_params[PARAMS]
+                peers = tuple(NixlPeer(str(agent), str(metadata), int(base)) for agent, metadata, base in where["peers"])
+                where = {"ticket": int(where["ticket"]), "offset": int(where["offset"]),
+                         "nbytes": int(where["nbytes"]), "peers": peers}
+                stored = StoredPrompt(prompt_len=int(kv_params["h2o_prompt_tokens"]),
+                                      first_token=int(kv_params["h2o_first_token"]),
+                                      kv_len=int(kv_params["h2o_kv_tokens"]), world_size=len(peers))
+            except (KeyError, TypeError, ValueError):
                 return None
-            stored = StoredPrompt(prompt_len=int(kv_params["h2o_prompt_tokens"]),
-                                  first_token=int(kv_params["h2o_first_token"]),
-                                  kv_len=int(kv_params["h2o_kv_tokens"]), world_size=len(where["peers"]))
             self.named[req_id] = (key, stored, where)
             return stored
         found = self.named.get(req_id)
@@ -81,8 +85,7 @@ class NixlTransferScheduler(TransferScheduler):
         if results is None:
             _, _, where = self.named[req_id]
             self.fetching[req_id] = {}
-            self.fetches.append(KVFetch(req_id, key, int(where["ticket"]), int(where["offset"]), int(where["nbytes"]),
-                                        tuple(NixlPeer(*peer) for peer in where["peers"])))
+            self.fetches.append(KVFetch(req_id, key, where["ticket"], where["offset"], where["nbytes"], where["peers"]))
             return PENDING
         errors = [f"rank {rank}: {error}" for rank, error in sorted(results.items()) if error]
         if errors:

@@ -124,3 +124,13 @@ def test_a_request_that_gave_up_its_read_for_a_local_hit_computes_its_prompt_aft
     assert transfer.matched(request, 16, manager) == 0  # a local hit: no read
     assert transfer.matched(request, 0, manager) == 0 and transfer.num_recomputed == 1
     assert not transfer.fetching
+
+
+def test_malformed_params_are_no_state_and_crash_nothing():
+    transfer = _nixl()
+    key = transfer._key(_request("m", PROMPT), 40)
+    for broken in ({"h2o_nixl": "x"}, {"h2o_nixl": {"ticket": 1}}, {"h2o_nixl": {**_params()["h2o_nixl"], "peers": [[1]]}},
+                   {"h2o_prompt_tokens": "forty"}):
+        kv = {**_params(), "h2o_kv_key": key, **broken}
+        request = _core_request("m", list(PROMPT), kv)
+        assert transfer.continue_from_params(request) is request
