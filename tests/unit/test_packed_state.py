@@ -14,10 +14,7 @@ def _layers(dtype):
     for _ in NAMES:
         k = torch.randn(KV_LEN, HEADS, HEAD_SIZE, generator=gen)
         v = torch.randn(KV_LEN, HEADS, HEAD_SIZE, generator=gen)
-        if dtype == torch.float8_e4m3fn:
-            k, v = k.to(dtype), v.to(dtype)
-        else:
-            k, v = k.to(dtype), v.to(dtype)
+        k, v = k.to(dtype), v.to(dtype)
         out.append({"k": k, "v": v, "scores": torch.rand(KV_LEN, HEADS, generator=gen)})
     return out
 
