@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 #: The connectors that carry H2O's state, and vLLM's connectors whose settings they take as
-#: they are (same roles, same ``shared_storage_path``; NIXL's host and port variables) and run
-#: in their place.
+#: they are (same roles, same ``shared_storage_path``, same ``kv_lease_duration``) and run in
+#: their place.
 H2O_CONNECTOR = "H2OStorageConnector"
 H2O_NIXL_CONNECTOR = "H2ONixlConnector"
 SETTLED_CONNECTORS = {"ExampleConnector": H2O_CONNECTOR, "NixlConnector": H2O_NIXL_CONNECTOR}

@@ -6,8 +6,8 @@ offset (ranks hold equal shares of the KV heads, so equal bytes), which the sche
 here when it orders the save and names in the request's ``kv_transfer_params`` when the
 request finishes. Space comes back when every rank of the consumer has read it (each read
 ends with a NIXL notification to the producer's rank it read from), or when it was never
-read within ``ttl_s`` after the request finished (vLLM's NIXL connector frees unread blocks
-after ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` alike). Tickets are never reused: a late
+read within ``ttl_s`` after the request finished (``kv_lease_duration``, the key vLLM's NIXL
+connector frees unread blocks by). Tickets are never reused: a late
 notification for a space already given back releases nothing.
 """
 from __future__ import annotations
