@@ -91,7 +91,7 @@ def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
             "Triton interpreter, where H2O's CUDA path is tested (draft models and EAGLE heads are "
             "tested on V2). Set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: H2O with n-gram drafts is "
             f"exact there), use a draft model or an EAGLE head, drop --speculative-config, {_OFF}")
-    _check_cache_dtype(str(vllm_config.cache_config.cache_dtype), is_cuda or triton_on_cpu_enabled())
+    _check_cache_dtype(vllm_config, is_cuda or triton_on_cpu_enabled())
     if not is_cuda:
         return
     compilation = vllm_config.compilation_config
@@ -107,24 +107,48 @@ def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
             f"compilation_config.splitting_ops at its default, or pass --enforce-eager, {_OFF}")
 
 
-def _check_cache_dtype(cache_dtype: str, cuda_path: bool) -> None:
-    """fp8 (e4m3, per-tensor scales) on the CUDA path; every other quantised cache refused."""
+def _check_cache_dtype(vllm_config: Any, cuda_path: bool) -> None:
+    """fp8 (e4m3, per-tensor scales) where vLLM's attention reads it; every other quantised
+    cache refused."""
+    cache = vllm_config.cache_config
+    cache_dtype = str(cache.cache_dtype)
     if cache_dtype in ("auto", "bfloat16", "float16", "float32"):
         return
-    if cuda_path and cache_dtype in FP8_KV_CACHE_DTYPES:
-        return
-    if cuda_path:
+    if cache_dtype not in FP8_KV_CACHE_DTYPES:
         why = ("H2O reads fp8 caches with per-tensor scales only (fp8 / fp8_e4m3): a per-token-head "
                "cache keeps each slot's scale inline, which compaction does not move, and "
                "fp8_e5m2 is untested")
-        way_out = "Use --kv-cache-dtype fp8"
-    else:
-        why = ("H2O's CPU backend computes prefill attention and scores itself over unquantised "
-               "K/V (and vLLM's CPU attention reads fp8 only on AVX-512 or AMX machines); fp8 runs "
-               "on the CUDA path")
-        way_out = "Drop --kv-cache-dtype"
-    raise ValueError(f"--kv-cache-dtype {cache_dtype} cannot be combined with H2O KV eviction here: "
-                     f"{why}. {way_out}, {_OFF}")
+        raise ValueError(f"--kv-cache-dtype {cache_dtype} cannot be combined with H2O KV eviction: "
+                         f"{why}. Use --kv-cache-dtype fp8, {_OFF}")
+    if not cuda_path:
+        head_size = vllm_config.model_config.get_head_size()
+        cpu_fp8_refusal(cache_dtype, cache.block_size, head_size, _cpu_reads_fp8())
+
+
+def cpu_fp8_refusal(cache_dtype: str, block_size: int, head_size: int, isa_reads_fp8: bool) -> None:
+    """Raise unless vLLM's CPU attention reads an fp8 cache for this model and block size: its
+    ``vec`` ISA (blocks of a multiple of 32, head sizes a multiple of 32) on x86 with AVX-512 or
+    AMX (``cpu_attn._get_attn_isa``). H2O's CPU backend reads the same layout
+    (``worker/cpu/layout.py``). Checked here, before the model loads: vLLM itself would fail in
+    its first forward."""
+    needs = []
+    if not isa_reads_fp8:
+        needs.append("an x86 CPU with AVX-512 or AMX (vLLM's CPU attention reads fp8 only there; "
+                     "this one has neither)")
+    if head_size % 32:
+        needs.append(f"a head size that is a multiple of 32 (this model's is {head_size})")
+    if block_size % 32:
+        needs.append(f"--block-size a multiple of 32 (got {block_size}; vLLM's fp8 CPU kernels "
+                     "have no 16-token blocks)")
+    if needs:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype} on the CPU backend needs "
+                         f"{'; '.join(needs)}: vLLM's own requirements, which H2O keeps. "
+                         "Drop --kv-cache-dtype or meet them")
+
+
+def _cpu_reads_fp8() -> bool:
+    import torch
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _refuse_full_graphs(mode: Any) -> None:

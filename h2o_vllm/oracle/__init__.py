@@ -13,6 +13,6 @@ with the paper's defaults its arithmetic is the plain H2O sum (see ``H2OOracle``
 """
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
 from h2o_vllm.oracle.model import H2OOracle
-from h2o_vllm.oracle.stored_kv import FP8_E4M3, StoredKV
+from h2o_vllm.oracle.stored_kv import FP8_E4M3, FP8_E4M3_CPU, StoredKV
 
-__all__ = ["FP8_E4M3", "H2OOracle", "LayerCache", "SequenceState", "StoredKV"]
+__all__ = ["FP8_E4M3", "FP8_E4M3_CPU", "H2OOracle", "LayerCache", "SequenceState", "StoredKV"]

@@ -146,6 +146,7 @@ class H2OImplMixin:
         if attn_metadata is None:  # profiling and warm-up runs: vLLM's own answer
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
+        self.ops.read_scales(layer)
         owns_cache = self.kv_sharing_target_layer_name is None
         if owns_cache and key is not None and value is not None:
             num_tokens = attn_metadata.slot_mapping.shape[0]

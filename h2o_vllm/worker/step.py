@@ -74,6 +74,9 @@ class H2OStep:
 class DeviceOps(Protocol):
     """What differs between devices; everything else is written once here."""
 
+    def read_scales(self, layer) -> None:
+        """Take the layer's fp8 KV scales for this forward (``worker.kv_dtype``)."""
+
     def cache_views(self, kv_cache: torch.Tensor) -> Any:
         """An object with ``keys`` and ``values``: [num_blocks, block_size, num_kv_heads, head_size]."""
 

@@ -16,6 +16,7 @@ from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
+from h2o_vllm.config import FP8_KV_CACHE_DTYPES
 from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata, use_readable_isa
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
 from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingBook, PendingQueries
@@ -74,12 +75,13 @@ class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
 
 
 class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
-    ops = CPUOps()
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # vLLM's CPU writer stores every fp8 cache it takes as e4m3 (bytes).
+        fp8 = self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        self.ops = CPUOps(torch.float8_e4m3fn if fp8 else None)
         if self.h2o is not None:
-            check_fusable(self, quantised_cache=self.is_fp8_kv_cache)
+            check_fusable(self, quantised_cache=self.is_fp8_kv_cache and not fp8)
             self.fuses_scores = True
             self.pending = PendingQueries()
 

@@ -7,6 +7,9 @@ Rows with several queries get their attention and scores from one softmax (``pre
 decode rows keep vLLM's kernel, and their probabilities are recomputed (``scores.py``), in
 the engine a row's queries together when its scores are next needed (``deferred.py``).
 Compaction is the kernels' plain-torch twin, which takes strided views as they are.
+An fp8 cache (``worker.kv_dtype``) is read as ``fp8 * scale`` without dequantising it: the key
+scale folds into the query's softmax scale and the value scale into the output, a multiply per
+query instead of one per cached element; compaction moves the fp8 elements as they are.
 """
 from __future__ import annotations
 
@@ -20,12 +23,13 @@ from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingQueries
 from h2o_vllm.worker.cpu.layout import CacheViews, cache_views
 from h2o_vllm.worker.cpu.prefill import prefill_attention
 from h2o_vllm.worker.cpu.scores import DecodeIndex, accumulate_decode_scores_at, decode_index
+from h2o_vllm.worker.kv_dtype import StoredKVReads
 from h2o_vllm.worker.step import H2OStep, zero_new_slots
 
 
-class CPUOps:
+class CPUOps(StoredKVReads):
     def cache_views(self, kv_cache: torch.Tensor) -> CacheViews:
-        return cache_views(kv_cache)
+        return cache_views(kv_cache, self.fp8_dtype)
 
     def step_index(self, step: H2OStep, block_size: int) -> Callable[[], DecodeIndex] | None:
         """The decode rows' ``DecodeIndex``, built by the first layer that asks: on a step whose
@@ -46,6 +50,7 @@ class CPUOps:
         the layer's ``pending``), decode queries wait and rows' waiting queries are scored
         as it decides. query, out: [>= num_tokens, num_q_heads, head_size]."""
         zero_new_slots(step, scores)
+        scale *= self.k_scale
         if deferred is not None:
             pending.apply(deferred, query, views.key_blocks, scores, scale, softcap, sink_logits)
         if deferred is None or deferred.immediate:
@@ -55,6 +60,7 @@ class CPUOps:
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: CacheViews,
                    scores: torch.Tensor, scale: float, softcap: float = 0.0,
                    sink_logits: torch.Tensor | None = None) -> None:
+        scale *= self.k_scale
         self._decode_scores(step, query, views, scores, scale, softcap, sink_logits)
         self._prefill_rows(step, query, views, scores, scale, None, softcap, sink_logits)
 
@@ -70,7 +76,8 @@ class CPUOps:
 
     def _prefill_rows(self, step: H2OStep, query, views: CacheViews, scores, scale: float,
                       out: torch.Tensor | None, softcap: float, sink_logits: torch.Tensor | None) -> None:
-        """Scores of the rows with several queries, and their attention output unless out is None."""
+        """Scores of the rows with several queries, and their attention output unless out is
+        None (``scale``: the key scale folded in)."""
         if step.prefill_rows is None:
             return
         plan, weights, factors = step.plan, step.query_weight, step.score_scale
@@ -83,7 +90,7 @@ class CPUOps:
                               None if out is None else out[tokens],
                               None if weights is None else weights[tokens],
                               None if factors is None else factors[row],
-                              0 if firsts is None else firsts[i], softcap, sink_logits)
+                              0 if firsts is None else firsts[i], softcap, sink_logits, self.v_scale)
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:

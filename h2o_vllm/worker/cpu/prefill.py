@@ -31,7 +31,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
                       scores: torch.Tensor, blocks: torch.Tensor, kv_seq_len: int, scale: float,
                       out: torch.Tensor | None = None, query_weight: torch.Tensor | None = None,
                       score_scale: torch.Tensor | None = None, first_scored: int = 0,
-                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                      v_scale: float = 1.0) -> None:
     """One row: ``query`` [q_len, num_heads, head_size] sits at the row's last q_len KV
     positions and attends causally over its first ``kv_seq_len`` keys.
 
@@ -46,6 +47,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
     (``softcap * tanh(logits / softcap)``, Gemma 2), as vLLM's kernels do. sinks [num_heads]
     (gpt-oss): each query head's sink logit joins its softmax's max and denominator, as in
     vLLM's kernels; it owns no key, so its share is in neither the output nor the scores.
+    An fp8 cache: key_blocks / value_blocks typed fp8, ``scale`` with the key scale folded in,
+    ``v_scale`` the value scale (applied to the output).
     """
     q_len, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_blocks.shape[1], key_blocks.shape[3]
@@ -80,6 +83,8 @@ def prefill_attention(query: torch.Tensor, key_blocks: torch.Tensor, value_block
                 inv_sum = probs.sum(dim=-1, keepdim=True).add_((tile_sink - top).exp_()).reciprocal_()
             if out is not None:
                 tile_out = torch.matmul(probs, values[:, :end]).mul_(inv_sum)
+                if v_scale != 1.0:
+                    tile_out.mul_(v_scale)
                 out[s:e] = tile_out.view(num_kv_heads, n, group, head_size).transpose(0, 1).reshape(
                     n, num_heads, head_size).to(out.dtype)
             if e <= first_scored:

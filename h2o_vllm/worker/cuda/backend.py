@@ -92,10 +92,6 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         check_fusable(self, quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype)
                       and self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES)
 
-    def forward(self, layer, *args, **kwargs):
-        self.ops.read_scales(layer)
-        return super().forward(layer, *args, **kwargs)
-
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """vLLM's write, except an fp8 cache on the CPU (the Triton interpreter): vLLM's Triton
         writer refuses fp8 off an SM89+ GPU ("needs native fp8e4nv"), so torch stores here what

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from h2o_vllm.worker.kv_dtype import StoredKVReads
 from h2o_vllm.worker.step import H2OStep
 
 
@@ -28,19 +29,10 @@ class FusedIndex(NamedTuple):
     num_decode_keys: int
 
 
-class TritonOps:
+class TritonOps(StoredKVReads):
     def __init__(self, head_size: int, fp8_dtype: torch.dtype | None = None) -> None:
+        super().__init__(fp8_dtype)
         self.head_size = head_size
-        self.fp8_dtype = fp8_dtype  # an fp8 cache's element type; None: unquantised
-        # The layer's per-tensor fp8 scales (1.0 unless a checkpoint calibrated them).
-        self.k_scale = self.v_scale = 1.0
-
-    def read_scales(self, layer) -> None:
-        """The layer's fp8 scales: vLLM sets them once its weights have loaded, before the first
-        step, and keeps them; read at each forward (two floats), not trusted from before."""
-        if self.fp8_dtype is not None:
-            from h2o_vllm.vllm_hooks.kv_scales import kv_scales
-            self.k_scale, self.v_scale = kv_scales(layer)
 
     def cache_views(self, kv_cache: torch.Tensor) -> TritonCacheViews:
         keys, values = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)

@@ -74,10 +74,12 @@ def test_cuda_config_leaves_other_platforms_alone(monkeypatch):
     assert (dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))) == before
 
 
-def _built(mode="PIECEWISE", splitting_ops=None, v2=False, cache_dtype="auto"):
+def _built(mode="PIECEWISE", splitting_ops=None, v2=False, cache_dtype="auto", block_size=32, head_size=64):
     from vllm.config import CompilationConfig
     ops = list(CompilationConfig._attention_ops) if splitting_ops is None else splitting_ops
-    return SimpleNamespace(use_v2_model_runner=v2, cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+    return SimpleNamespace(use_v2_model_runner=v2,
+                           cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=block_size),
+                           model_config=SimpleNamespace(get_head_size=lambda: head_size),
                            compilation_config=CompilationConfig(cudagraph_mode=mode, splitting_ops=ops))
 
 
@@ -96,16 +98,32 @@ def test_cuda_config_refuses_built_configs_h2o_cannot_run(built, words):
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3"])
-def test_an_fp8_cache_with_per_tensor_scales_passes_on_the_cuda_path_only(monkeypatch, cache_dtype):
+def test_an_fp8_cache_with_per_tensor_scales_passes_where_vllm_reads_it(monkeypatch, cache_dtype):
     from h2o_vllm.config import TRITON_ON_CPU_SWITCH
     from h2o_vllm.frontend import cuda_config
-    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=True)
+    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype, block_size=16), is_cuda=True)
     monkeypatch.delenv(TRITON_ON_CPU_SWITCH, raising=False)
-    with pytest.raises(ValueError, match="CPU backend") as info:
-        cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=False)
-    assert f"--kv-cache-dtype {cache_dtype}" in str(info.value) and "Drop --kv-cache-dtype" in str(info.value)
-    monkeypatch.setenv(TRITON_ON_CPU_SWITCH, "1")  # the CUDA path on the CPU
-    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=False)
+    monkeypatch.setattr(cuda_config, "_cpu_reads_fp8", lambda: True)
+    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype), is_cuda=False)  # the CPU backend
+    monkeypatch.setenv(TRITON_ON_CPU_SWITCH, "1")  # the CUDA path on the CPU: any block size
+    cuda_config.check_vllm_config(_built(cache_dtype=cache_dtype, block_size=16), is_cuda=False)
+
+
+@pytest.mark.parametrize("block_size, head_size, isa, words", [
+    (16, 64, True, "--block-size a multiple of 32 (got 16"),
+    (32, 80, True, "a head size that is a multiple of 32 (this model's is 80)"),
+    (32, 64, False, "AVX-512 or AMX"),
+])
+def test_an_fp8_cache_on_the_cpu_backend_is_refused_where_vllms_cpu_attention_cannot_read_it(
+        monkeypatch, block_size, head_size, isa, words):
+    from h2o_vllm.config import TRITON_ON_CPU_SWITCH
+    from h2o_vllm.frontend import cuda_config
+    monkeypatch.delenv(TRITON_ON_CPU_SWITCH, raising=False)
+    monkeypatch.setattr(cuda_config, "_cpu_reads_fp8", lambda: isa)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 on the CPU backend needs") as info:
+        cuda_config.check_vllm_config(_built(cache_dtype="fp8", block_size=block_size, head_size=head_size),
+                                      is_cuda=False)
+    assert words in str(info.value) and "Drop --kv-cache-dtype" in str(info.value)
 
 
 def test_cuda_config_accepts_piecewise_and_eager_on_either_runner():

@@ -1,0 +1,26 @@
+"""How a layer's paged cache stores K/V, for H2O's own reads of it: as computed, or as fp8 (e4m3)
+with the layer's per-tensor scales.
+
+Runs in the worker process. vLLM allocates an fp8 cache as bytes; each device's ``DeviceOps``
+views it as ``fp8_dtype`` and reads an element back as ``fp8 * scale``, as vLLM's attention of
+that device does. The scales are vLLM's (``vllm_hooks.kv_scales``): 1.0 unless a checkpoint
+calibrated them, set once the weights have loaded, so they are read at every forward (two
+floats), never trusted from before.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StoredKVReads:
+    """The part of a device's ``DeviceOps`` that knows the cache's element type and scales."""
+
+    def __init__(self, fp8_dtype: torch.dtype | None = None) -> None:
+        self.fp8_dtype = fp8_dtype  # an fp8 cache's element type; None: unquantised
+        self.k_scale = self.v_scale = 1.0
+
+    def read_scales(self, layer) -> None:
+        """The layer's fp8 scales, at each forward (``layer``: vLLM's attention layer)."""
+        if self.fp8_dtype is not None:
+            from h2o_vllm.vllm_hooks.kv_scales import kv_scales
+            self.k_scale, self.v_scale = kv_scales(layer)

@@ -1,0 +1,82 @@
+"""H2O's CPU backend with an fp8 KV cache (``--kv-cache-dtype fp8``: e4m3 bytes, per-tensor
+scales), where vLLM's CPU attention reads one (x86 with AVX-512 or AMX; skipped elsewhere).
+
+vLLM's CPU writer truncates K/V to e4m3; vLLM's kernel attends the decode rows over those bytes
+and H2O's torch attention the prompt rows, both as ``fp8 * scale``; compaction moves the bytes.
+The whole budget matrix per request, prompts chunked into mixed steps, prefix-cache hits, one
+request aborted mid-run, block lists checked after every step and the pool drained, equals the dense oracle whose cache holds K/V as vLLM's
+CPU writer stores them (``oracle.FP8_E4M3_CPU``); fp8 visibly changes tokens; a budget larger
+than every sequence is stock vLLM's fp8 engine token for token. (The CUDA path's fp8 tests:
+``test_cuda.py``.)
+"""
+import pytest
+import torch
+
+from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
+from engines import drive_checked, generate_ids, greedy, model_runner_of, random_prompts, vllm_engine
+
+from h2o_vllm.frontend.cuda_config import _cpu_reads_fp8
+
+if not _cpu_reads_fp8():
+    pytest.skip("vLLM's CPU attention reads an fp8 cache only on x86 with AVX-512 or AMX",
+                allow_module_level=True)
+
+#: vLLM's fp8 CPU kernels need blocks of a multiple of 32 (the ``vec`` ISA).
+BLOCK = 32
+MAX_TOKENS = 24
+PROMPTS = random_prompts((3, 17, 33, 64, 100, 160))
+ENGINE_H2O = {}  # the paper's default engine-wide; the matrix arrives per request
+FP8 = dict(kv_cache_dtype="fp8", block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=8)
+BUDGET_SET = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
+MATRIX = list(BUDGET_SET)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def h2o_fp8_outputs(tiny_llama_dir):
+    """{budget: outputs} of one H2O engine over an fp8 cache, driven step by step."""
+    params = [greedy(MAX_TOKENS, extra_args=extra_args(BUDGET_SET[name]) or None)
+              for name in MATRIX for _ in PROMPTS]
+    cached = {}
+    with vllm_engine(tiny_llama_dir, in_process=True, additional_config={"h2o": ENGINE_H2O}, **FP8) as llm:
+        impls = {type(layer.impl).__name__ for layer in _attention_layers(llm)}
+        assert impls == {"H2OCPUImpl"}, impls
+        prompts = PROMPTS * len(MATRIX)
+        aborted = str(len(prompts))  # one more request, aborted mid-run
+        by_id, seen = drive_checked(llm, prompts + [prompts[-1]], params + [params[-1]], ENGINE_H2O, BLOCK,
+                                    cached=cached, abort_after=(8, [aborted]))
+    assert aborted not in by_id
+    assert max(seen["evicted"]) > 0, "no request ever evicted: the block check proved nothing"
+    # Prefix caching is on (vLLM's default) and the matrix repeats each prompt per budget.
+    assert max(cached.values()) >= BLOCK, "no request hit the prefix cache"
+    n = len(PROMPTS)
+    return {name: [by_id[str(i * n + j)] for j in range(n)] for i, name in enumerate(MATRIX)}
+
+
+def _attention_layers(llm):
+    layers = model_runner_of(llm).compilation_config.static_forward_context.values()
+    return [layer for layer in layers if hasattr(layer, "impl")]
+
+
+@pytest.mark.parametrize("budget", [name for name in MATRIX if name != "larger"])
+def test_h2o_with_an_fp8_cache_matches_the_fp8_oracle(h2o_fp8_outputs, hf_model, budget):
+    from h2o_vllm.oracle import FP8_E4M3_CPU
+    want = oracle(hf_model, {**ENGINE_H2O, **BUDGET_SET[budget]}, BLOCK, stored_kv=FP8_E4M3_CPU)
+    assert h2o_fp8_outputs[budget] == want.generate(PROMPTS, MAX_TOKENS)
+
+
+def test_fp8_changes_tokens(h2o_fp8_outputs, hf_model):
+    """The control: the test can tell an fp8 cache from an unquantised one."""
+    changed = [name for name in ("tokens-8+8-interval1", "engine-default")
+               if h2o_fp8_outputs[name] != oracle(hf_model, BUDGET_SET[name], BLOCK).generate(PROMPTS, MAX_TOKENS)]
+    assert changed, "fp8 rounding changed no token: the test cannot tell fp8 from fp32"
+
+
+def test_a_budget_larger_than_every_sequence_is_stock_vllms_fp8_engine(tiny_llama_dir, h2o_fp8_outputs):
+    with vllm_engine(tiny_llama_dir, plugins=False, **FP8) as llm:
+        assert generate_ids(llm, PROMPTS, greedy(MAX_TOKENS)) == h2o_fp8_outputs["larger"]
