@@ -29,6 +29,21 @@ def test_fp8_e4m3_rounds_to_nearest_even_and_saturates(x, stored):
     assert through(torch.tensor([x]), torch.float8_e4m3fn, 1.0).item() == stored
 
 
+@pytest.mark.parametrize("x, stored", [
+    (1.0625, 1.0),      # vLLM's CPU writer truncates: halfway goes toward zero too
+    (1.24, 1.125),
+    (-3.3, -3.25),
+    (-3.45, -3.25),
+    (0.999, 0.9375),
+    (1000.0, 448.0),    # saturated
+    (-1e6, -448.0),
+    (2.0 ** -9, 2.0 ** -9),  # the smallest subnormal
+    (1.9 * 2.0 ** -10, 0.0),  # below it: zero
+])
+def test_fp8_e4m3_on_the_cpu_rounds_toward_zero_and_saturates(x, stored):
+    assert through(torch.tensor([x]), torch.float8_e4m3fn, 1.0, toward_zero=True).item() == stored
+
+
 def test_the_scale_divides_before_the_cast_and_multiplies_after():
     x = torch.tensor([4.25, 1000.0])
     # k: 1.0625 -> 1.0 (a tie, to even); 250 -> 256 (steps of 16 there); times 4

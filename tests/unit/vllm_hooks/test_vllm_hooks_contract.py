@@ -866,3 +866,36 @@ def test_attention_layers_keep_their_fp8_scales_where_the_kv_scales_seam_reads_t
     source = inspect.getsource(attention)
     assert "layer._k_scale_float = 1.0" in source and "layer._v_scale_float = 1.0" in source
     assert kv_scales(SimpleNamespace(_k_scale_float=0.5, _v_scale_float=2)) == (0.5, 2.0)
+
+
+def test_vllms_cpu_writer_truncates_fp8_where_h2os_cpu_views_read_it():
+    """vLLM's CPU writer (``cpu_attn_reshape_and_cache``, the ``vec`` ISA an fp8 cache needs)
+    stores ``x / scale`` as e4m3 rounded toward zero, saturated, in the layout H2O's CPU views
+    read (``worker/cpu/layout.py``): the oracle's ``FP8_E4M3_CPU`` rule and H2O's reads both
+    rest on it. Values from 2^-12 to 2^10 and past e4m3's range, fp32 and bf16 inputs."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from h2o_vllm.frontend.cuda_config import _cpu_reads_fp8
+    from h2o_vllm.oracle.stored_kv import stored
+    from h2o_vllm.worker.cpu.layout import cache_views
+    if not _cpu_reads_fp8():
+        pytest.skip("vLLM's CPU writer stores fp8 only on x86 with AVX-512 or AMX")
+    num_kv_heads, head_size, block_size = 2, 32, 32
+    magnitudes = torch.logspace(-12, 10, 64 * 24, base=2.0)
+    x = torch.cat([magnitudes, -magnitudes, torch.tensor([0.0, 448.0, 460.0, 1e4] * 32)])
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))]
+    num_tokens = x.numel() // (num_kv_heads * head_size)
+    num_blocks = -(-num_tokens // block_size) + 1
+    for dtype, k_scale, v_scale in ((torch.float32, 0.3, 3.0), (torch.bfloat16, 1.0, 0.5)):
+        key = x.view(num_tokens, num_kv_heads, head_size).to(dtype)
+        value = key.flip(0)
+        kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=torch.uint8)
+        views = cache_views(kv_cache, torch.float8_e4m3fn)
+        slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(1))[:num_tokens]
+        ops.cpu_attn_reshape_and_cache(key, value, views.key_cache, views.value_cache, slots, "vec",
+                                       k_scale=k_scale, v_scale=v_scale, kv_cache_dtype="fp8")
+        blocks, offsets = slots // block_size, slots % block_size
+        for cache, x_in, scale in ((views.keys, key, k_scale), (views.values, value, v_scale)):
+            want = stored(x_in.float(), torch.float8_e4m3fn, scale, toward_zero=True)
+            assert torch.equal(cache[blocks, offsets].view(torch.uint8), want.view(torch.uint8)), dtype
