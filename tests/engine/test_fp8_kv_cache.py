@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
-from engines import drive_checked, generate_ids, greedy, model_runner_of, random_prompts, vllm_engine
+from engines import (drive_checked, generate_ids, greedy, model_runner_of, random_prompts, scheduler_of,
+                     vllm_engine)
 
 from h2o_vllm.frontend.cuda_config import _cpu_reads_fp8
 
@@ -80,3 +81,34 @@ def test_fp8_changes_tokens(h2o_fp8_outputs, hf_model):
 def test_a_budget_larger_than_every_sequence_is_stock_vllms_fp8_engine(tiny_llama_dir, h2o_fp8_outputs):
     with vllm_engine(tiny_llama_dir, plugins=False, **FP8) as llm:
         assert generate_ids(llm, PROMPTS, greedy(MAX_TOKENS)) == h2o_fp8_outputs["larger"]
+
+
+TRANSFER_BUDGETS = ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1", "ratio-0.1+0.1-block"]
+
+
+def test_a_kv_transfer_pair_over_an_fp8_cache_matches_the_fp8_oracle(tiny_llama_dir, hf_model, tmp_path):
+    """Producer then consumer over one storage folder (``ExampleConnector`` settings): the
+    state's K/V travel as the fp8 elements the producer's cache holds, and the consumer decodes
+    from them exactly as the oracle does (the CPU path's matrix and faults: test_kv_transfer.py)."""
+    from h2o_vllm.oracle import FP8_E4M3_CPU
+    budgets = [extra_args(BUDGET_SET[name]) for name in TRANSFER_BUDGETS]
+    prompts = PROMPTS * len(budgets)
+
+    def engine(role):
+        kv = {"kv_connector": "ExampleConnector", "kv_role": role,
+              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+        return vllm_engine(tiny_llama_dir, in_process=True, additional_config={"h2o": ENGINE_H2O},
+                           kv_transfer_config=kv, **FP8)
+
+    with engine("kv_producer") as llm:
+        firsts = generate_ids(llm, prompts, [greedy(1, extra_args=b) for b in budgets for _ in PROMPTS])
+    with engine("kv_consumer") as llm:
+        params = [greedy(MAX_TOKENS - 1, extra_args=b) for b in budgets for _ in PROMPTS]
+        by_id, _ = drive_checked(llm, [p + f for p, f in zip(prompts, firsts)], params, ENGINE_H2O, BLOCK)
+        loaded = scheduler_of(llm).connector.transfer.num_loaded
+    assert loaded == len(prompts), "the consumer computed prompts instead of loading them"
+    n = len(PROMPTS)
+    for i, name in enumerate(TRANSFER_BUDGETS):
+        want = oracle(hf_model, BUDGET_SET[name], BLOCK, stored_kv=FP8_E4M3_CPU).generate(PROMPTS, MAX_TOKENS)
+        got = [firsts[i * n + j] + by_id[str(i * n + j)] for j in range(n)]
+        assert got == want, name
