@@ -28,7 +28,9 @@ MAX_TOKENS = 24
 PROMPTS = random_prompts((3, 17, 33, 64, 100, 160))
 ENGINE_H2O = {}  # the paper's default engine-wide; the matrix arrives per request
 FP8 = dict(kv_cache_dtype="fp8", block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=8)
-BUDGET_SET = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {}}
+BUDGET_SET = {**BUDGETS, **MODES, "larger": LARGER_THAN_EVERY_SEQUENCE, "engine-default": {},
+              # Evicting between a prompt's chunks (docs/semantics.md, "prefill_chunk").
+              "chunk-24-tokens-8+8-interval1": {**BUDGETS["tokens-8+8-interval1"], "prefill_chunk": 24}}
 MATRIX = list(BUDGET_SET)
 
 
