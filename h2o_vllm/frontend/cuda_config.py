@@ -147,8 +147,8 @@ def cpu_fp8_refusal(cache_dtype: str, block_size: int, head_size: int, isa_reads
 
 
 def _cpu_reads_fp8() -> bool:
-    import torch
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+    from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
+    return reads_fp8()
 
 
 def _refuse_full_graphs(mode: Any) -> None:

@@ -23,6 +23,12 @@ def use_readable_isa(builder, layer_names) -> str:
     return builder.isa
 
 
+def reads_fp8() -> bool:
+    """Whether vLLM's CPU attention reads an fp8 cache on this machine: x86 with AVX-512 or AMX,
+    the CPU features its ISA choice (``cpu_attn._get_attn_isa``) asks torch for."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def decode_rows_metadata(cm, rows: torch.Tensor, tokens: torch.Tensor):
     """vLLM's ``CommonAttentionMetadata`` of a batch cut down to the rows that have one query
     each (``rows``, their tokens ``tokens``, int64), in that order, for the CPU builder to plan

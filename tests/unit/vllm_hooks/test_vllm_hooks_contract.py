@@ -876,10 +876,10 @@ def test_vllms_cpu_writer_truncates_fp8_where_h2os_cpu_views_read_it():
     import torch
     from vllm import _custom_ops as ops
 
-    from h2o_vllm.frontend.cuda_config import _cpu_reads_fp8
+    from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
     from h2o_vllm.oracle.stored_kv import stored
     from h2o_vllm.worker.cpu.layout import cache_views
-    if not _cpu_reads_fp8():
+    if not reads_fp8():
         pytest.skip("vLLM's CPU writer stores fp8 only on x86 with AVX-512 or AMX")
     num_kv_heads, head_size, block_size = 2, 32, 32
     magnitudes = torch.logspace(-12, 10, 64 * 24, base=2.0)
@@ -899,3 +899,19 @@ def test_vllms_cpu_writer_truncates_fp8_where_h2os_cpu_views_read_it():
         for cache, x_in, scale in ((views.keys, key, k_scale), (views.values, value, v_scale)):
             want = stored(x_in.float(), torch.float8_e4m3fn, scale, toward_zero=True)
             assert torch.equal(cache[blocks, offsets].view(torch.uint8), want.view(torch.uint8)), dtype
+
+
+def test_reads_fp8_is_what_vllms_cpu_isa_choice_decides():
+    """``cpu_attention.reads_fp8`` (the frontend refuses fp8 on the CPU backend without it)
+    agrees with vLLM's own ISA choice for an fp8 cache on this machine."""
+    import torch
+    from vllm.v1.attention.backends import cpu_attn
+
+    from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
+    try:
+        isa = cpu_attn._get_attn_isa(torch.float32, 32, 64, "fp8")
+    except NotImplementedError as error:
+        assert "AVX-512 or AMX" in str(error)
+        isa = None
+    assert reads_fp8() == (isa is not None)
+    assert isa in (None, "vec", "amx")

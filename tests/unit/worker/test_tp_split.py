@@ -29,6 +29,7 @@ class _RecordingOps(CPUOps):
     """The CPU's ops, recording each compaction's keep-set."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.kept: list[torch.Tensor] = []
 
     def compact(self, views, scores, block_table, rows, keep):
