@@ -26,6 +26,9 @@ DEFAULT_CONFIGS = "stock,full,h2o:0.5,h2o:0.2,h2o:0.1"
 #: chunked prefill, ``max_num_batched_tokens``), the baseline that bounds a prompt's peak
 #: without H2O.
 BATCH_SUFFIX = "@b"
+#: ``h2o:0.2+fp8``: the configuration's engine keeps an fp8 KV cache (``--kv-cache-dtype fp8``) in
+#: the same KV bytes: as many more blocks as the model dtype's element is bytes (2x for bf16).
+FP8_SUFFIX = "+fp8"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list: stock, full (H2O, budget above every length), h2o:<budget>, "
                         "local:<budget> (recent only); budget = fraction of the prompt. Any policy "
                         f"may end in {BATCH_SUFFIX}<N>: that engine steps at most N tokens "
-                        "(max_num_batched_tokens, vLLM's chunked prefill), e.g. stock@b256")
+                        "(max_num_batched_tokens, vLLM's chunked prefill), e.g. stock@b256; and in "
+                        f"{FP8_SUFFIX}: an fp8 KV cache in the same bytes, e.g. h2o:0.2{FP8_SUFFIX}")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--stock-concurrency", type=float, default=2.0,
                    help="size the KV pool so stock vLLM fits this many full-length sequences")
@@ -61,17 +65,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_config(spec: str) -> tuple[str, str, float | None, int | None]:
-    """'h2o:0.2' -> (label, policy, budget, None); 'stock@b256' -> ('stock@b256', 'stock',
-    None, 256): the last is the engine's max_num_batched_tokens (None: --max-num-batched-tokens)."""
+def parse_config(spec: str) -> tuple[str, str, float | None, int | None, bool]:
+    """'h2o:0.2' -> (label, policy, budget, None, False); 'stock@b256' -> ('stock@b256', 'stock',
+    None, 256, False): the engine's max_num_batched_tokens (None: --max-num-batched-tokens);
+    'h2o:0.2+fp8' -> ('h2o-20%+fp8', 'h2o', 0.2, None, True): an fp8 KV cache."""
+    fp8 = spec.endswith(FP8_SUFFIX)
+    spec = spec.removesuffix(FP8_SUFFIX)
     name, _, budget = spec.partition(":")
     policy, _, batched = name.partition(BATCH_SUFFIX)
     if batched and not batched.isdigit():
         raise ValueError(f"{spec!r}: a policy, then {BATCH_SUFFIX}<tokens per step>, e.g. stock{BATCH_SUFFIX}256")
     tokens = int(batched) if batched else None
+    tail = FP8_SUFFIX if fp8 else ""
     if policy in ("stock", "full"):
-        return name, policy, None, tokens
-    return f"{name}-{round(float(budget) * 100):g}%", policy, float(budget), tokens
+        return name + tail, policy, None, tokens, fp8
+    return f"{name}-{round(float(budget) * 100):g}%{tail}", policy, float(budget), tokens, fp8
+
+
+def fp8_blocks(num_blocks: int, dtype: str) -> int:
+    """The blocks of an fp8 cache in the bytes of ``num_blocks`` blocks of the model dtype's."""
+    import torch
+    return num_blocks * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def run_one(job: dict) -> dict:
@@ -88,7 +102,8 @@ def run_one(job: dict) -> dict:
     llm = LLM(job["model"], disable_log_stats=False, dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,
               num_gpu_blocks_override=job["num_blocks"], max_model_len=job["max_model_len"],
               max_num_seqs=a["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
-              enforce_eager=not a["no_enforce_eager"], seed=a["seed"], **extra)
+              enforce_eager=not a["no_enforce_eager"], seed=a["seed"],
+              kv_cache_dtype=job.get("kv_cache_dtype", "auto"), **extra)
     startup_s = time.perf_counter() - started
     if job["workload"] == "synthetic":
         vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -129,14 +144,17 @@ def main(argv=None) -> dict:
     bar = tqdm(total=len(configs) * len(workloads) * args.repeat, desc="throughput", unit="config")
     for workload in workloads:
         for round_ in range(args.repeat):
-            for label, policy, budget, batched in configs:
+            for label, policy, budget, batched, fp8 in configs:
                 bar.set_postfix_str(f"{workload}/{label}")
                 stem = out / "logs" / (f"throughput-{workload}-{label}" + ("" if args.repeat == 1 else f"-{round_}"))
                 job = {"args": vars(args), "model": model, "workload": workload, "policy": policy,
-                       "budget": budget, "num_blocks": num_blocks, "max_model_len": max_model_len,
+                       "budget": budget, "max_model_len": max_model_len,
+                       "num_blocks": fp8_blocks(num_blocks, args.dtype) if fp8 else num_blocks,
+                       "kv_cache_dtype": "fp8" if fp8 else "auto",
                        "max_num_batched_tokens": batched or args.max_num_batched_tokens,
                        "result": str(stem) + ".part.json"}
                 run = {"workload": workload, "config": label, "policy": policy, "budget": budget,
+                       "kv_cache_dtype": job["kv_cache_dtype"], "num_blocks": job["num_blocks"],
                        "max_num_batched_tokens": job["max_num_batched_tokens"], "round": round_,
                        **bench.run_child(__file__, job, stem, env, f"{workload}/{label}")}
                 result["runs"].append(run)

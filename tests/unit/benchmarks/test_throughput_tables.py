@@ -39,9 +39,12 @@ def test_one_round_keeps_one_row_per_run(throughput):
 
 
 def test_a_stock_engine_with_shorter_steps_is_a_configuration_against_plain_stock(throughput):
-    assert throughput.parse_config("stock@b256") == ("stock@b256", "stock", None, 256)
-    assert throughput.parse_config("h2o@c256@b512:0.2") == ("h2o@c256@b512-20%", "h2o@c256", 0.2, 512)
-    assert throughput.parse_config("h2o:0.2") == ("h2o-20%", "h2o", 0.2, None)
+    assert throughput.parse_config("stock@b256") == ("stock@b256", "stock", None, 256, False)
+    assert throughput.parse_config("h2o@c256@b512:0.2") == ("h2o@c256@b512-20%", "h2o@c256", 0.2, 512, False)
+    assert throughput.parse_config("h2o:0.2") == ("h2o-20%", "h2o", 0.2, None, False)
+    assert throughput.parse_config("h2o:0.2+fp8") == ("h2o-20%+fp8", "h2o", 0.2, None, True)
+    assert throughput.parse_config("stock+fp8") == ("stock+fp8", "stock", None, None, True)
+    assert throughput.fp8_blocks(100, "bfloat16") == 200 and throughput.fp8_blocks(100, "float32") == 400
     with pytest.raises(ValueError, match="stock@b256"):
         throughput.parse_config("stock@bx")
     runs = [{**_run("stock@b256", 0, 60.0), "policy": "stock", "max_num_batched_tokens": 256},
