@@ -205,9 +205,9 @@ def markdown_table(result: dict) -> str:
     """The docs/results.md table of one run, straight from its JSON (no number typed by hand). A hybrid
     model's table adds the blocks held by its global (H2O's) and sliding-window layers. With
     ``--repeat``, medians over the rounds and the range of the paired ratios."""
-    names = {"stock": "stock vLLM", "full": "full (tracking only)",
+    names = {"stock": "stock vLLM", "full": "full (tracking only)", "stock" + FP8_SUFFIX: "stock vLLM, fp8 KV",
              **{r["config"]: f"stock vLLM, {r['max_num_batched_tokens']} tokens a step" for r in result["runs"]
-                if r["policy"] == "stock" and r["config"] != "stock"}}
+                if r["policy"] == "stock" and r["config"] != "stock" and r.get("kv_cache_dtype") != "fp8"}}
     hybrid = any("sliding" in r.get("held_blocks", {}) for r in result["runs"])
     repeated = result["meta"]["args"].get("repeat", 1) > 1
     lines = ["| workload | config | total tok/s | output tok/s | x stock (total) | running mean / peak "

@@ -114,3 +114,43 @@ def test_a_kv_transfer_pair_over_an_fp8_cache_matches_the_fp8_oracle(tiny_llama_
         want = oracle(hf_model, BUDGET_SET[name], BLOCK, stored_kv=FP8_E4M3_CPU).generate(PROMPTS, MAX_TOKENS)
         got = [firsts[i * n + j] + by_id[str(i * n + j)] for j in range(n)]
         assert got == want, name
+
+
+SHORT = {name: BUDGET_SET[name] for name in ("tokens-8+8-interval1", "ratio-0.1+0.1-block",
+                                               "chunk-24-tokens-8+8-interval1")}
+
+
+def _serve_short(model_dir, **kwargs) -> dict[str, list[list[int]]]:
+    """SHORT's budgets per request over PROMPTS, greedily, on one engine with an fp8 cache."""
+    params = [greedy(MAX_TOKENS, extra_args=extra_args(b)) for b in SHORT.values() for _ in PROMPTS]
+    with vllm_engine(model_dir, additional_config={"h2o": ENGINE_H2O}, **{**FP8, **kwargs}) as llm:
+        outputs = generate_ids(llm, PROMPTS * len(SHORT), params)
+    n = len(PROMPTS)
+    return {name: outputs[i * n:(i + 1) * n] for i, name in enumerate(SHORT)}
+
+
+def _assert_fp8_oracle(model_dir, outputs) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from h2o_vllm.oracle import FP8_E4M3_CPU
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, budget in SHORT.items():
+        want = oracle(model, budget, BLOCK, stored_kv=FP8_E4M3_CPU).generate(PROMPTS, MAX_TOKENS)
+        assert outputs[name] == want, name
+
+
+def test_tp2_with_an_fp8_cache_matches_the_fp8_oracle(tiny_llama_dir):
+    """Each rank writes, reads and compacts its own KV head's fp8 elements."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        outputs = _serve_short(tiny_llama_dir, tensor_parallel_size=2)
+    _assert_fp8_oracle(tiny_llama_dir, outputs)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_soft_capped_and_hybrid_models_with_an_fp8_cache_match_the_fp8_oracle(tmp_path, family):
+    """Gemma 2's soft-capped logits; Gemma 3's sliding-window layers, left to vLLM, keep their
+    window in the same fp8 cache while H2O evicts the full-attention layers."""
+    from h2o_devtools import models
+    model_dir = models.build_tiny_model(tmp_path / family, family, num_layers=2)
+    _assert_fp8_oracle(model_dir, _serve_short(model_dir))
