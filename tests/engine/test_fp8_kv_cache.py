@@ -3,11 +3,12 @@ scales), where vLLM's CPU attention reads one (x86 with AVX-512 or AMX; skipped 
 
 vLLM's CPU writer truncates K/V to e4m3; vLLM's kernel attends the decode rows over those bytes
 and H2O's torch attention the prompt rows, both as ``fp8 * scale``; compaction moves the bytes.
-The whole budget matrix per request, prompts chunked into mixed steps, prefix-cache hits, one
-request aborted mid-run, block lists checked after every step and the pool drained, equals the dense oracle whose cache holds K/V as vLLM's
-CPU writer stores them (``oracle.FP8_E4M3_CPU``); fp8 visibly changes tokens; a budget larger
-than every sequence is stock vLLM's fp8 engine token for token. (The CUDA path's fp8 tests:
-``test_cuda.py``.)
+The whole budget matrix per request, prompts chunked (64 tokens a step), prefix-cache hits, one
+request aborted mid-run, block lists checked after every step and the pool drained, equals the
+dense oracle whose cache holds K/V as vLLM's CPU writer stores them (``oracle.FP8_E4M3_CPU``);
+fp8 visibly changes tokens; a budget larger than every sequence is stock vLLM's fp8 engine token
+for token. KV transfer, TP=2 and Gemma 2 / 3 likewise, on fewer budgets. (The CUDA path's fp8
+tests: ``test_cuda.py``.)
 """
 import pytest
 import torch
