@@ -85,7 +85,7 @@ def parse_config(spec: str) -> tuple[str, str, float | None, int | None, bool]:
 def fp8_blocks(num_blocks: int, dtype: str) -> int:
     """The blocks of an fp8 cache in the bytes of ``num_blocks`` blocks of the model dtype's."""
     import torch
-    return num_blocks * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return num_blocks * getattr(torch, dtype).itemsize
 
 
 def run_one(job: dict) -> dict:

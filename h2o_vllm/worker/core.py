@@ -15,9 +15,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 
-from h2o_vllm.config import h2o_config
+from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
 from h2o_vllm.scheduler.spec import is_h2o_spec
 from h2o_vllm.worker.plan import StepPlan
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
@@ -40,13 +41,16 @@ def with_step(metadata_cls, metadata, step: H2OStep | None, **device_fields):
                         h2o=step, **device_fields)
 
 
-def check_fusable(impl, quantised_cache: bool) -> None:
+def check_fusable(impl) -> None:
     """H2O's attention computes causal softmax attention (soft-capped where the model caps,
-    with the model's sink logits where it has them) over an unquantised cache; a layer (``impl``, vLLM's attention impl) with anything else
-    would get wrong outputs or scores. The devices differ only in how they store the cache
-    dtype. The engine-args checks (h2o_vllm.frontend.conflicts, cuda_config) refuse these before
-    the model loads; this is the backstop for a layer that slips through. (Sliding-window
-    layers never get here: ``H2OImplMixin`` leaves them to vLLM.)"""
+    with the model's sink logits where it has them) over an unquantised cache or an fp8 one with
+    per-tensor scales (``worker.kv_dtype``); a layer (``impl``, vLLM's attention impl) with
+    anything else would get wrong outputs or scores. The engine-args checks
+    (h2o_vllm.frontend.conflicts, cuda_config) refuse these before the model loads; this is the
+    backstop for a layer that slips through. (Sliding-window layers never get here:
+    ``H2OImplMixin`` leaves them to vLLM.)"""
+    quantised_cache = (is_quantized_kv_cache(impl.kv_cache_dtype)
+                       and impl.kv_cache_dtype not in FP8_KV_CACHE_DTYPES)
     unsupported = {
         "ALiBi": impl.alibi_slopes is not None,
         f"quantised KV cache {impl.kv_cache_dtype}": quantised_cache,

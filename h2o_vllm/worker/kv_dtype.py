@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from h2o_vllm.vllm_hooks.kv_scales import kv_scales
+
 
 class StoredKVReads:
     """The part of a device's ``DeviceOps`` that knows the cache's element type and scales."""
@@ -22,5 +24,4 @@ class StoredKVReads:
     def read_scales(self, layer) -> None:
         """The layer's fp8 scales, at each forward (``layer``: vLLM's attention layer)."""
         if self.fp8_dtype is not None:
-            from h2o_vllm.vllm_hooks.kv_scales import kv_scales
             self.k_scale, self.v_scale = kv_scales(layer)

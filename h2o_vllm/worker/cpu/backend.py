@@ -81,7 +81,7 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
         fp8 = self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.ops = CPUOps(torch.float8_e4m3fn if fp8 else None)
         if self.h2o is not None:
-            check_fusable(self, quantised_cache=self.is_fp8_kv_cache and not fp8)
+            check_fusable(self)
             self.fuses_scores = True
             self.pending = PendingQueries()
 

@@ -16,7 +16,6 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
                                                     TritonAttentionMetadata,
                                                     TritonAttentionMetadataBuilder)
-from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
 from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
@@ -84,13 +83,9 @@ class H2OTritonImpl(H2OImplMixin, TritonAttentionImpl):
         fp8 = self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.ops = TritonOps(self.head_size, self.fp8_dtype if fp8 else None)
         if self.h2o is not None:
-            self._check_fusable()
+            check_fusable(self)
             self.fuses_scores = True
             self.held = HeldQueries()
-
-    def _check_fusable(self) -> None:
-        check_fusable(self, quantised_cache=is_quantized_kv_cache(self.kv_cache_dtype)
-                      and self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """vLLM's write, except an fp8 cache on the CPU (the Triton interpreter): vLLM's Triton

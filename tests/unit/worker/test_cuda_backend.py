@@ -50,22 +50,22 @@ def test_impl_refuses_what_the_fused_attention_does_not_compute():
     import pytest
     from vllm.v1.attention.backend import AttentionType
 
+    from h2o_vllm.worker.core import check_fusable
     from h2o_vllm.worker.cuda.backend import H2OTritonImpl
     plain = dict(alibi_slopes=None, sliding_window=(-1, -1), logits_soft_cap=0, sinks=None,
                  kv_cache_dtype="auto", attn_type=AttentionType.DECODER, num_heads=4)
-    H2OTritonImpl._check_fusable(SimpleNamespace(**plain))
-    H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": "bfloat16",
-                                                    "logits_soft_cap": None}))
-    H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "logits_soft_cap": 30.0}))  # in the scores
-    H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "sinks": torch.zeros(4)}))  # so are sinks
+    check_fusable(SimpleNamespace(**plain))
+    check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": "bfloat16", "logits_soft_cap": None}))
+    check_fusable(SimpleNamespace(**{**plain, "logits_soft_cap": 30.0}))  # in the scores
+    check_fusable(SimpleNamespace(**{**plain, "sinks": torch.zeros(4)}))  # so are sinks
     for fp8 in ("fp8", "fp8_e4m3"):  # per-tensor scales: read by the kernels
-        H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": fp8}))
+        check_fusable(SimpleNamespace(**{**plain, "kv_cache_dtype": fp8}))
     for change, words in ((dict(alibi_slopes=torch.ones(4)), "ALiBi"),
                           (dict(kv_cache_dtype="fp8_per_token_head"), "quantised KV cache"),
                           (dict(kv_cache_dtype="fp8_e5m2"), "quantised KV cache"),
                           (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type")):
         with pytest.raises(NotImplementedError, match=words):
-            H2OTritonImpl._check_fusable(SimpleNamespace(**{**plain, **change}))
+            check_fusable(SimpleNamespace(**{**plain, **change}))
     # A hybrid model's sliding-window layers are left to vLLM (no H2O there), not refused.
     assert H2OTritonImpl.has_sliding_window(SimpleNamespace(sliding_window=(127, 0)))
     assert not H2OTritonImpl.has_sliding_window(SimpleNamespace(sliding_window=(-1, -1)))
