@@ -39,13 +39,13 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def eagle_pair(tmp_path_factory) -> tuple[Path, Path]:
-    """A one-layer target an EAGLE-1 head can mirror, and that head (h2o_devtools.models.eagle):
+    """A one-layer target an EAGLE-1 head can mirror, and that head (h2o_devtools.models.drafters):
     it drafts what the dense target generates, so drafts are accepted wherever eviction left
     the token unchanged. (No "eagle" in the target's path: vLLM takes a draft model whose path
     says "eagle" for an EAGLE head.)"""
-    from h2o_devtools.models import eagle
-    target = eagle.build_mirrored_llama(tmp_path_factory.mktemp("mirrored-target"))
-    return target, eagle.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
+    from h2o_devtools.models import drafters
+    target = drafters.build_mirrored_llama(tmp_path_factory.mktemp("mirrored-target"))
+    return target, drafters.build_eagle_head(target, tmp_path_factory.mktemp("eagle-head"))
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     if spec is not None:
         method = getattr(spec, "method", None)
         check_speculative(method, getattr(spec, "num_speculative_tokens", None), "--speculative-config")
+        _check_mtp_layers(method, getattr(spec, "draft_model_config", None))
         scheduler = getattr(vllm_config, "scheduler_config", None)
         _check_async_drafter(method, getattr(scheduler, "async_scheduling", False), "--speculative-config",
                              "Pass --no-async-scheduling")
@@ -135,9 +136,35 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 
 
 #: Speculators H2O runs with (docs/semantics.md, "Speculative decoding"): n-gram drafts come
-#: from the token history and have no KV cache; a draft model's and an EAGLE head's layers
-#: keep their KV cache whole, in KV-cache groups of their own (``scheduler.spec.h2o_specs``).
-SPECULATORS = ("ngram", "draft_model", "eagle", "eagle3")
+#: from the token history and have no KV cache; a draft model's, an EAGLE head's and a model's
+#: own MTP layers keep their KV cache whole, in KV-cache groups of their own
+#: (``scheduler.spec.h2o_specs``). vLLM names MTP layers "mtp" or by family ("mimo_mtp", ...).
+SPECULATORS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+
+
+def speculator(method: str | None) -> str | None:
+    """The speculator a method name asks for: every vLLM MTP family name is "mtp"."""
+    return "mtp" if method is not None and method.endswith("_mtp") else method
+
+
+#: MTP layers vLLM drafts with through a proposer of their own rather than its EAGLE one
+#: (``gpu_model_runner``'s ``use_gemma4_mtp`` / ``use_step3p5_mtp``), and why H2O refuses them.
+_OWN_PROPOSER_MTP = {
+    "gemma4_mtp": "its MTP layers read the target's own KV cache (KV sharing), which H2O compacts",
+    "step3p5_mtp": "its proposer builds attention metadata per KV-cache group on a path of its own, "
+                   "untested with H2O",
+}
+
+
+def _check_mtp_layers(method: str | None, draft_model_config: Any) -> None:
+    hf = getattr(draft_model_config, "hf_config", None)
+    model_type = getattr(hf, "model_type", None)
+    if speculator(method) == "mtp" and model_type in _OWN_PROPOSER_MTP:
+        raise ValueError(
+            f"speculative decoding with {model_type} layers (--speculative-config) cannot be combined "
+            f"with H2O KV eviction: {_OWN_PROPOSER_MTP[model_type]}. Use n-gram drafts "
+            "('{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'), drop "
+            f"--speculative-config, {_OFF}")
 
 
 def _check_speculative_args(args: Any) -> None:
@@ -149,7 +176,7 @@ def _check_speculative_args(args: Any) -> None:
 
 
 def _check_async_drafter(method: str | None, async_scheduling: bool | None, flag: str, way_out: str) -> None:
-    if method in WORKER_DRAFTERS and async_scheduling:
+    if speculator(method) in WORKER_DRAFTERS and async_scheduling:
         raise ValueError(
             f"async scheduling with a {method} speculator ({flag}) cannot be combined with H2O KV "
             "eviction: the scheduler would place the next step's compaction before the drafts in "
@@ -174,14 +201,14 @@ def _speculators(args: Any) -> list[tuple[str | None, int | None, str]]:
 #: Speculators whose drafts the worker makes after the step: under async scheduling the
 #: scheduler places the next step, and with it the cadence's next compaction, before this
 #: step's drafts are verified, so H2O runs them with async scheduling off.
-WORKER_DRAFTERS = ("draft_model", "eagle", "eagle3")
+WORKER_DRAFTERS = ("draft_model", "eagle", "eagle3", "mtp")
 
 
 def settle_async_scheduling(args: Any) -> bool:
     """Turn vLLM's async scheduling off where it defaults on with a drafter H2O cannot run it
     with (an explicit ``--async-scheduling`` is refused by ``check_engine_args``); True if it did."""
     if getattr(args, "async_scheduling", None) is None and any(
-            method in WORKER_DRAFTERS for method, _, _ in _speculators(args)):
+            speculator(method) in WORKER_DRAFTERS for method, _, _ in _speculators(args)):
         args.async_scheduling = False
         return True
     return False
@@ -189,23 +216,17 @@ def settle_async_scheduling(args: Any) -> bool:
 
 def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> None:
     """Refuse a speculator H2O cannot run exactly with, naming the way out."""
-    if method not in SPECULATORS:
-        why = ("H2O is shown exact with n-gram, draft-model and EAGLE / EAGLE-3 speculators only")
-        if method is not None and method.endswith("mtp"):
-            # The MTP layers would run as EAGLE heads do (a worker-side drafter, left whole),
-            # but no model with MTP layers runs on vLLM's CPU engine, where the exactness
-            # tests run: untested, so refused.
-            why = ("MTP heads are untested with H2O (no model with MTP layers runs on vLLM's CPU "
-                   "engine, where H2O's exactness tests run); n-gram, draft-model and EAGLE / "
-                   "EAGLE-3 speculators are shown exact")
+    if speculator(method) not in SPECULATORS:
+        why = "H2O is shown exact with n-gram, draft-model, EAGLE / EAGLE-3 and MTP speculators only"
         raise ValueError(
             f"speculative decoding with method {method!r} ({flag}) cannot be combined with H2O KV "
             f"eviction yet: {why}. Use "
             '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, '
             '"prompt_lookup_max": 4}\', \'{"method": "eagle3", "model": "<an EAGLE-3 head for '
             'this model>", "num_speculative_tokens": 3}\' or \'{"method": "draft_model", "model": '
-            f'"<a smaller model with the same tokenizer>", "num_speculative_tokens": 3}}\', or drop '
-            f'{flag}, {_OFF}')
+            f'"<a smaller model with the same tokenizer>", "num_speculative_tokens": 3}}\' ('
+            '\'{"method": "mtp", "num_speculative_tokens": 1}\' for a model with MTP layers of its own), '
+            f'or drop {flag}, {_OFF}')
     from h2o_vllm.worker.cpu.deferred import MAX_PENDING  # a row's waiting queries, the known token's too
     if num_tokens is not None and num_tokens + 1 > MAX_PENDING:
         raise ValueError(

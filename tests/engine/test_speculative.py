@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram, draft model, EAGLE / EAGLE-3) with H2O: greedy H2O with a speculator generates
+"""Speculative decoding (n-gram, draft model, EAGLE / EAGLE-3, MTP) with H2O: greedy H2O with a speculator generates
 exactly what the dense oracle (H2O without one) generates, with drafts accepted and rejected
 along the way (docs/semantics.md, "Speculative decoding"); block lists agree after every step
 (in every H2O KV-cache group: a draft model's layers stay whole in groups of their own, and
@@ -186,19 +186,41 @@ def test_eagle_h2o_equals_the_dense_oracle_with_drafts_accepted(eagle_pair, eagl
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
 
-def test_eagle3_h2o_equals_the_dense_oracle(tiny_llama_dir, eagle_prompts, tmp_path):
-    """An EAGLE-3 head reads three of the target's layers' hidden states; a random one
-    (h2o_devtools.models.eagle: no head can mirror the target) drafts, and every draft is
-    rejected: the tokens are still the oracle's, and the blocks drain."""
-    from h2o_devtools.models import eagle
-    head = eagle.build_eagle3_head(tiny_llama_dir, tmp_path / "eagle3-head")
-    expected = _eagle_oracle(tiny_llama_dir, eagle_prompts)
+def test_eagle3_h2o_equals_the_dense_oracle_with_drafts_accepted(tmp_path_factory, eagle_prompts):
+    """An EAGLE-3 head (it reads the target's hidden states, not the token's embedding, in its
+    residual) mirroring a target built for it (``drafters.build_mirrored_eagle3_pair``), over
+    the budget matrix: the oracle's tokens, drafts accepted and rejected."""
+    from h2o_devtools.models import drafters
+    target, head = drafters.build_mirrored_eagle3_pair(tmp_path_factory.mktemp("eagle3-target"),
+                                                       tmp_path_factory.mktemp("eagle3-head"))
+    expected = _eagle_oracle(target, eagle_prompts)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": DRAFTS}
-    (outputs, drafts, _), groups = in_fresh_process(_eagle_matrix, tiny_llama_dir, eagle_prompts, spec)
+    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
+    print(f"EAGLE-3 with H2O: {accepted}/{drafts} draft tokens accepted")
     assert groups == ["FullAttentionManager", "H2OManager"], groups
-    assert drafts > 0
+    assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
     for name in EAGLE_BUDGETS:
         assert outputs[name] == expected[name], f"{name}: H2O with EAGLE-3 drafts left the oracle"
+    changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
+    assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
+
+
+def test_mtp_h2o_equals_the_dense_oracle_with_drafts_accepted(tmp_path_factory, eagle_prompts):
+    """A model's own MTP layer (a tiny MiMo: Qwen2 plus one MTP layer mirroring its layer,
+    ``h2o_devtools.models.drafters.build_mtp_target``), its KV cache whole in a KV-cache group
+    of its own, over the budget matrix: the oracle's tokens, drafts accepted and rejected."""
+    from h2o_devtools.models import drafters
+    target = drafters.build_mtp_target(tmp_path_factory.mktemp("mimo-target"))
+    expected = _eagle_oracle(target, eagle_prompts)
+    spec = {"method": "mtp", "num_speculative_tokens": DRAFTS}
+    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
+    print(f"MTP with H2O: {accepted}/{drafts} draft tokens accepted")
+    assert groups == ["FullAttentionManager", "H2OManager"], groups
+    assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
+    for name in EAGLE_BUDGETS:
+        assert outputs[name] == expected[name], f"{name}: H2O with MTP drafts left the oracle"
+    changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
+    assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
 
 # --------------------------------------------------------------------------- memory, tiny model
@@ -228,8 +250,8 @@ def tiny_speculator(request, tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
     if request.param == "ngram":
         return TINY_NGRAM
     if request.param == "eagle":
-        from h2o_devtools.models import eagle
-        head = eagle.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
+        from h2o_devtools.models import drafters
+        head = drafters.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
         return {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
     return {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}
 

@@ -125,10 +125,10 @@ def test_a_gemma3_gguf_whose_defaults_moved_is_refused():
 
 
 def test_mirrored_llama_feeds_its_layer_the_embeddings_unchanged(tmp_path):
-    """What an EAGLE-1 head needs to mirror the target (h2o_devtools.models.eagle): every
+    """What an EAGLE-1 head needs to mirror the target (h2o_devtools.models.drafters): every
     embedding row finite with RMS 1 (the pad row too), every norm weight 1."""
-    from h2o_devtools.models import eagle
-    model = AutoModelForCausalLM.from_pretrained(eagle.build_mirrored_llama(tmp_path / "t")).eval()
+    from h2o_devtools.models import drafters
+    model = AutoModelForCausalLM.from_pretrained(drafters.build_mirrored_llama(tmp_path / "t")).eval()
     embed = model.model.embed_tokens.weight
     assert model.config.num_hidden_layers == 1 and torch.isfinite(embed).all()
     torch.testing.assert_close(embed.pow(2).mean(-1), torch.ones(embed.shape[0]))
@@ -136,17 +136,61 @@ def test_mirrored_llama_feeds_its_layer_the_embeddings_unchanged(tmp_path):
     torch.testing.assert_close(norm(embed[:5]), embed[:5])
 
 
-def test_eagle_heads_are_the_targets_layer_and_a_random_eagle3(tmp_path):
+def test_an_eagle_head_is_the_targets_layer(tmp_path):
     from safetensors.torch import load_file
 
-    from h2o_devtools.models import eagle
-    target = eagle.build_mirrored_llama(tmp_path / "t")
-    head = load_file(eagle.build_eagle_head(target, tmp_path / "h") / "model.safetensors")
+    from h2o_devtools.models import drafters
+    target = drafters.build_mirrored_llama(tmp_path / "t")
+    head = load_file(drafters.build_eagle_head(target, tmp_path / "h") / "model.safetensors")
     weights = load_file(target / "model.safetensors")
     hidden = weights["model.embed_tokens.weight"].shape[1]
     torch.testing.assert_close(head["fc.weight"][:, :hidden], torch.eye(hidden))
     assert not head["fc.weight"][:, hidden:].any() and "layers.0.input_layernorm.weight" not in head
     torch.testing.assert_close(head["layers.0.self_attn.q_proj.weight"],
                                weights["model.layers.0.self_attn.q_proj.weight"])
-    with pytest.raises(ValueError, match="three target layers"):
-        eagle.build_eagle3_head(target, tmp_path / "e3")
+
+
+def test_the_eagle3_pairs_target_greedy_token_ignores_the_residual_the_head_cannot_mirror(tmp_path):
+    """``build_mirrored_eagle3_pair``: embeddings in the first half of the hidden dims, the
+    layer's attention writing and the output head reading the second half only, no MLP; the
+    head's q/k/v read the embedding half of its input, fc is 0, its aux layer is layer 1."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from h2o_devtools.models import drafters
+    target, head = drafters.build_mirrored_eagle3_pair(tmp_path / "t", tmp_path / "h")
+    weights, drafted = load_file(target / "model.safetensors"), load_file(head / "model.safetensors")
+    half = weights["model.embed_tokens.weight"].shape[1] // 2
+    assert not weights["model.embed_tokens.weight"][:, half:].any()
+    assert not weights["model.layers.0.self_attn.o_proj.weight"][:half].any()
+    assert not weights["lm_head.weight"][:, :half].any() and not weights["model.layers.0.mlp.down_proj.weight"].any()
+    assert not drafted["fc.weight"].any()
+    q = drafted["midlayer.self_attn.q_proj.weight"]
+    torch.testing.assert_close(q[:, :2 * half], weights["model.layers.0.self_attn.q_proj.weight"])
+    assert not q[:, 2 * half:].any()
+    config = json.loads((head / "config.json").read_text())
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1]}
+
+
+def test_the_mtp_target_is_a_qwen2_whose_mtp_layer_is_its_layer(tmp_path):
+    """What vLLM's MiMo MTP layer needs to mirror the target (h2o_devtools.models.drafters):
+    the target's layer copied, ``input_proj`` passing the token embedding; transformers loads
+    the target as the Qwen2 it is (the oracle's model)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from h2o_devtools.models import drafters
+    target = drafters.build_mtp_target(tmp_path / "t")
+    config = json.loads((target / "config.json").read_text())
+    assert config["architectures"] == ["MiMoForCausalLM"] and config["num_nextn_predict_layers"] == 1
+    weights = load_file(target / "model.safetensors")
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    proj = weights["model.mtp_layers.0.input_proj.weight"]
+    assert not proj[:, :hidden].any()
+    torch.testing.assert_close(proj[:, hidden:], torch.eye(hidden))
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.bias", "mlp.down_proj.weight"):
+        torch.testing.assert_close(weights[f"model.mtp_layers.0.{name}"], weights[f"model.layers.0.{name}"])
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_hidden_layers == 1

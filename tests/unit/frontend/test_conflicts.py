@@ -63,17 +63,18 @@ def test_plain_engine_args_pass():
     {"spec_model": "draft"},
     {"speculative_config": {"method": "eagle", "model": "head", "num_speculative_tokens": 3}},
     {"speculative_config": {"method": "eagle3", "model": "head", "num_speculative_tokens": 3}},
+    {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+    {"speculative_config": {"method": "mimo_mtp", "num_speculative_tokens": 1}},  # vLLM's older name
+    {"spec_method": "mtp", "spec_tokens": 2},
 ])
-def test_ngram_draft_model_and_eagle_speculation_pass(kwargs):
+def test_ngram_draft_model_eagle_and_mtp_speculation_pass(kwargs):
     conflicts.check_engine_args(_args(**kwargs), H2O)
 
 
 @pytest.mark.parametrize("kwargs, flag, words", [
     ({"speculative_config": {"method": "medusa", "model": "m", "num_speculative_tokens": 2}},
      "--speculative-config", "'medusa'"),
-    ({"spec_method": "mtp"}, "--spec-method", "MTP heads are untested"),
-    ({"speculative_config": {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}},
-     "--speculative-config", "MTP heads are untested"),
+    ({"spec_method": "suffix"}, "--spec-method", "'suffix'"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 16}}, "--speculative-config",
      "num_speculative_tokens=16"),
 ])
@@ -152,7 +153,8 @@ DRAFT = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}
 
 
 @pytest.mark.parametrize("drafter", [DRAFT, {"method": "eagle", "model": "head", "num_speculative_tokens": 3},
-                                     {"method": "eagle3", "model": "head", "num_speculative_tokens": 3}])
+                                     {"method": "eagle3", "model": "head", "num_speculative_tokens": 3},
+                                     {"method": "mimo_mtp", "num_speculative_tokens": 1}])
 def test_a_worker_side_drafter_turns_async_scheduling_off_where_vllm_would_default_it_on(drafter):
     """The drafts of a draft model or an EAGLE head are made by the worker after the step:
     under async scheduling the next step's compaction would be placed before they are verified."""
@@ -173,10 +175,23 @@ def test_a_draft_model_with_async_scheduling_asked_for_is_refused():
     assert "--no-async-scheduling" in _refusal(conflicts.check_vllm_config, built, H2O)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3", "mtp"])
 def test_supported_speculation_configs_pass(method):
-    spec = SimpleNamespace(method=method, num_speculative_tokens=3)
+    spec = SimpleNamespace(method=method, num_speculative_tokens=3,
+                           draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="mimo_mtp")))
     conflicts.check_vllm_config(_vllm_config(speculative_config=spec), H2O)
+
+
+@pytest.mark.parametrize("model_type, words", [("gemma4_mtp", "KV sharing"),
+                                               ("step3p5_mtp", "per KV-cache group")])
+def test_mtp_layers_drafting_through_a_proposer_of_their_own_are_refused(model_type, words):
+    """vLLM drafts with these MTP layers through proposers other than its EAGLE one: Gemma 4's
+    read the target's KV cache, which H2O compacts."""
+    spec = SimpleNamespace(method="mtp", num_speculative_tokens=1,
+                           draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)))
+    message = _refusal(conflicts.check_vllm_config, _vllm_config(speculative_config=spec), H2O)
+    assert model_type in message and words in message and "--speculative-config" in message
+    assert '"method": "ngram"' in message and "turn H2O KV eviction off" in message
 
 
 def test_async_scheduling_passes():
@@ -185,7 +200,7 @@ def test_async_scheduling_passes():
 
 
 @pytest.mark.parametrize("overrides, setting", [
-    ({"speculative_config": SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=2)},
+    ({"speculative_config": SimpleNamespace(method="medusa", num_speculative_tokens=2)},
      "--speculative-config"),
     ({"kv_transfer_config": object()}, "--kv-transfer-config"),
     ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2)}, "--pipeline-parallel-size"),
@@ -323,10 +338,10 @@ def test_engine_args_hook_refuses_before_the_config_is_built():
     from h2o_vllm.vllm_hooks.engine_args import _create_engine_config_wrapper
     called = []
     wrapped = _create_engine_config_wrapper(lambda self, *a, **k: called.append(self))
-    args = _args(additional_config={"h2o": {}}, spec_method="mtp")
+    args = _args(additional_config={"h2o": {}}, spec_method="suffix")
     with pytest.raises(ValueError, match="--spec-method"):
         wrapped(args)
     assert not called
     # H2O off: nothing is checked.
-    wrapped(_args(spec_method="mtp"))
+    wrapped(_args(spec_method="suffix"))
     assert called
