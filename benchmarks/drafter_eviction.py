@@ -10,7 +10,8 @@ tokens, proposes ``--drafts`` tokens greedily (on a copy of its state); the long
 matching the target's tokens is accepted, and the drafter then consumes the accepted tokens and
 the target's bonus token, one step each, so its H2O cadence runs per token. A rejected draft
 leaves nothing in the drafter's state (the ideal an engine would have to reach). The drafter
-is the target model itself unless ``--drafter`` names another with the same tokenizer.
+is the target model itself unless ``--drafter`` names another with the same tokenizer, or
+``--drafter-layers`` keeps some of the target's layers (layer-skipping self-speculation).
 
 One JSON, one Markdown table and one PNG into
 ``benchmarks/results/<date>-<host>/drafter-eviction/``.
@@ -34,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF model directory, or smollm2 (default) | gemma3-270m")
     p.add_argument("--drafter", default=None, help="the draft model (default: the target model itself)")
+    p.add_argument("--drafter-layers", default=None,
+                   help="a layer-skipping drafter: these of the target's layers only, e.g. 0-9,20-29")
     p.add_argument("--target-budget", type=float, default=0.2,
                    help="the target's H2O budget, a fraction of the prompt (heavy = recent = half)")
     p.add_argument("--drafter-budgets", default="whole,0.5,0.2,0.1",
@@ -70,6 +73,29 @@ def replay(drafter, prompt: list[int], target_tokens: list[int], k: int) -> tupl
     return drafts, accepted
 
 
+def parse_layers(text: str) -> list[int]:
+    """"0-9,20-29" -> [0, ..., 9, 20, ..., 29]."""
+    layers = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        layers.extend(range(int(first), int(last or first) + 1))
+    return layers
+
+
+def layer_subset(model, layers: list[int]):
+    """A copy of an HF decoder-only model with only ``layers``, renumbered for its KV cache."""
+    import torch
+    subset = copy.deepcopy(model)
+    subset.model.layers = torch.nn.ModuleList(subset.model.layers[i] for i in layers)
+    for index, layer in enumerate(subset.model.layers):
+        layer.self_attn.layer_idx = index
+    config = subset.config
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in layers]
+    config.num_hidden_layers = len(layers)
+    return subset
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -92,6 +118,8 @@ def main(argv=None) -> dict:
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     drafter_model = target if drafter_dir == model_dir else \
         AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    if args.drafter_layers:
+        drafter_model = layer_subset(drafter_model, parse_layers(args.drafter_layers))
     target_tokens = H2OOracle(target, config(args.target_budget), block_size=args.block_size).generate(
         prompts, args.output_len)
     rows = []
@@ -107,7 +135,8 @@ def main(argv=None) -> dict:
         print(f"drafter {budget}: {accepted}/{drafts} accepted", file=sys.stderr)
     result = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                        "command": " ".join([sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)]),
-                       "model": str(model_dir), "drafter": str(drafter_dir), "target_budget": args.target_budget,
+                       "model": str(model_dir), "drafter": str(drafter_dir), "drafter_layers": args.drafter_layers,
+                       "target_budget": args.target_budget,
                        "drafts_per_step": args.drafts, "block_size": args.block_size, "text": args.text,
                        "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                        "output_len": args.output_len,
@@ -123,7 +152,10 @@ def main(argv=None) -> dict:
 
 def write_table(result: dict, path: Path) -> None:
     meta = result["meta"]
-    lines = [f"Target H2O {meta['target_budget']:.0%}, {meta['drafts_per_step']} drafts a step, "
+    drafter = "the target itself" if meta["drafter"] == meta["model"] else meta["drafter"]
+    if meta.get("drafter_layers"):
+        drafter = f"the target's layers {meta['drafter_layers']}"
+    lines = [f"Drafter: {drafter}. Target H2O {meta['target_budget']:.0%}, {meta['drafts_per_step']} drafts a step, "
              f"{meta['num_prompts']} x {meta['prompt_len']}-token {meta['text']} windows, "
              f"{meta['output_len']} tokens each; measured on {meta['measured_on']}.", "",
              "| drafter KV cache | drafts | accepted | acceptance |", "|---|---:|---:|---:|"]

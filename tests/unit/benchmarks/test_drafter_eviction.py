@@ -50,3 +50,14 @@ def test_each_verification_accepts_the_matching_prefix_then_the_targets_token(re
     assert replay(_Counting(), [1, 2, 3, 4], [5, 6, 7, 9, 10, 11, 12, 20], 3) == (6, 5)
     # The last verification drafts only as many tokens as remain.
     assert replay(_Counting(), [1], [2, 3, 4, 5, 6, 7], 3) == (4, 4)
+
+
+def test_a_layer_skipping_drafter_keeps_the_layers_named_renumbered(load_benchmark, model):
+    bench = load_benchmark("drafter_eviction")
+    assert bench.parse_layers("0-1,3") == [0, 1, 3]
+    subset = bench.layer_subset(model, [0, 3])
+    assert subset.config.num_hidden_layers == 2 and model.config.num_hidden_layers == 4
+    assert [layer.self_attn.layer_idx for layer in subset.model.layers] == [0, 1]
+    assert subset.model.layers[1].mlp.up_proj.weight.data_ptr() != model.model.layers[3].mlp.up_proj.weight.data_ptr()
+    torch.testing.assert_close(subset.model.layers[1].mlp.up_proj.weight, model.model.layers[3].mlp.up_proj.weight)
+    H2OOracle(subset, BUDGET).generate([PROMPT], 4)  # runs, its own two-layer cache
