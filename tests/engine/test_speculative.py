@@ -245,15 +245,20 @@ def tiny_draft_dir(tmp_path_factory):
     return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_layers=1)
 
 
-@pytest.fixture(params=["ngram", "draft_model", "eagle"])
+@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp"])
 def tiny_speculator(request, tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
+    """(target, speculative config): the tiny Llama, or a four-layer tiny MiMo for its own MTP
+    layer (four target layers and one drafter layer either way: five KV-cache groups)."""
+    from h2o_devtools.models import drafters
     if request.param == "ngram":
-        return TINY_NGRAM
+        return tiny_llama_dir, TINY_NGRAM
+    if request.param == "mtp":
+        target = drafters.build_mtp_target(tmp_path_factory.mktemp("tiny-mimo"), num_layers=4)
+        return target, {"method": "mtp", "num_speculative_tokens": DRAFTS}
     if request.param == "eagle":
-        from h2o_devtools.models import drafters
         head = drafters.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
-        return {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
-    return {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}
+        return tiny_llama_dir, {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
+    return tiny_llama_dir, {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}
 
 
 def _preempted_run(model_dir, speculative_config):
@@ -277,11 +282,10 @@ def _preempted_run(model_dir, speculative_config):
                 scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
-def test_preempted_requests_with_drafts_complete_without_leaking(tiny_llama_dir, tiny_speculator):
+def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, tiny_llama_dir,
-                                                                   tiny_speculator)
+    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, *tiny_speculator)
     assert preempted, "the pool was large enough: no preemption happened"
     assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
     assert free_after == free_before
@@ -296,7 +300,7 @@ def _aborted_run(model_dir, speculative_config):
         return outputs, free_before, pool.get_num_free_blocks()
 
 
-def test_aborted_requests_with_drafts_return_their_blocks(tiny_llama_dir, tiny_speculator):
-    outputs, free_before, free_after = in_fresh_process(_aborted_run, tiny_llama_dir, tiny_speculator)
+def test_aborted_requests_with_drafts_return_their_blocks(tiny_speculator):
+    outputs, free_before, free_after = in_fresh_process(_aborted_run, *tiny_speculator)
     assert sorted(outputs) == ["0", "2"]
     assert free_after == free_before

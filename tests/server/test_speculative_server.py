@@ -1,0 +1,79 @@
+"""`h2o-vllm serve --kv-eviction h2o --speculative-config ...`: a model's own MTP layer drafting
+(a tiny MiMo whose MTP layer mirrors its layer, ``h2o_devtools.models.drafters``) behind the
+OpenAI API. Greedy completions, engine and per-request budgets, equal the dense oracle; vLLM's
+own speculative counters on /metrics show drafts accepted; async scheduling asked for with it
+is refused before the model loads, naming the flag."""
+import json
+import subprocess
+
+import pytest
+import requests
+import torch
+from harness import H2O_VLLM, COMMON_ARGS, Server, server_env, serving
+
+from budgets import extra_args, oracle
+
+BLOCK_SIZE = 16
+ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
+FLAGS = ["--kv-eviction", "h2o", "--h2o-heavy-tokens", "8", "--h2o-recent-tokens", "8", "--h2o-interval", "8",
+         "--block-size", str(BLOCK_SIZE), "--speculative-config", MTP]
+MAX_TOKENS = 32
+#: None: the engine's budget from the flags.
+BUDGETS = [None, {"heavy_tokens": 12, "recent_tokens": 12, "interval": 4}, {"heavy_tokens": 96, "recent_tokens": 96}]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from h2o_devtools.models import drafters
+    return drafters.build_mtp_target(tmp_path_factory.mktemp("mimo-target"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Random token ids repeated three times (60 and 90 tokens), past every budget but the last."""
+    generator = torch.Generator().manual_seed(4)
+    return [torch.randint(5, 500, (n,), generator=generator).tolist() * 3 for n in (20, 30)]
+
+
+@pytest.fixture(scope="module")
+def expected(target, prompts):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return [oracle(model, budget or ENGINE_H2O, BLOCK_SIZE).generate(prompts, MAX_TOKENS) for budget in BUDGETS]
+
+
+@pytest.fixture(scope="module")
+def server(target, expected):
+    with serving(Server(target, FLAGS)) as server:
+        yield server
+
+
+def _spec_counters(server) -> dict[str, float]:
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:spec_decode_num_") and "_total" in line.split("{")[0]}
+
+
+def test_served_mtp_drafts_equal_the_oracle_with_drafts_accepted(server, prompts, expected):
+    for budget, outputs in zip(BUDGETS, expected):
+        body = {"ignore_eos": True, "return_token_ids": True}
+        if budget:
+            body["vllm_xargs"] = extra_args(budget)
+        for prompt, want in zip(prompts, outputs):
+            got = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                     temperature=0.0, extra_body=body).choices[0].token_ids
+            assert got == want, f"budget {budget or 'engine'}: served MTP drafts left the oracle"
+    counters = _spec_counters(server)
+    assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0
+    assert 0 < counters["vllm:spec_decode_num_accepted_tokens_total"] < counters["vllm:spec_decode_num_draft_tokens_total"]
+    assert any(o != expected[-1] for o in expected[:-1]), "eviction changed nothing: the test proves little"
+
+
+def test_async_scheduling_with_a_worker_drafter_is_refused_before_the_model_loads(target):
+    done = subprocess.run([H2O_VLLM, "serve", str(target), *COMMON_ARGS, *FLAGS, "--async-scheduling"],
+                          env=server_env(), capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "async scheduling with a mtp speculator (--speculative-config)" in out, out[-3000:]
+    assert "Drop --async-scheduling" in out and "Loading weights" not in out
