@@ -49,6 +49,27 @@ def eagle_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def mirrored_drafter(eagle_pair, tmp_path_factory):
+    """``(method, drafts) -> (target, speculative config)`` for each drafter with layers of its
+    own, mirroring a one-layer target (h2o_devtools.models.drafters), so drafts are accepted
+    wherever eviction left the token unchanged: an EAGLE-1 or EAGLE-3 head, a model's own MTP
+    layer, or the target drafting for itself (``draft_model``)."""
+    from h2o_devtools.models import drafters
+
+    def build(method: str, drafts: int) -> tuple[Path, dict]:
+        spec = {"method": method, "num_speculative_tokens": drafts}
+        if method == "mtp":  # a model's MTP layers are its own
+            return drafters.build_mtp_target(tmp_path_factory.mktemp("mimo-target")), spec
+        if method == "eagle3":
+            target, head = drafters.build_mirrored_eagle3_pair(tmp_path_factory.mktemp("eagle3-target"),
+                                                               tmp_path_factory.mktemp("eagle3-head"))
+            return target, {**spec, "model": str(head)}
+        target, head = eagle_pair
+        return target, {**spec, "model": str(head if method == "eagle" else target)}
+    return build
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct, cached across runs in $H2O_VLLM_CACHE (~20 s on the first run)."""
     return models.smollm2_dir()

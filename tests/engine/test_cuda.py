@@ -483,24 +483,10 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
 
 
-def _drafter(method: str, eagle_pair, tmp_path) -> tuple:
-    """(target, speculative config) for each drafter with layers of its own: the target drafting
-    for itself, heads and an MTP layer mirroring their targets (``h2o_devtools.models.drafters``)."""
-    from h2o_devtools.models import drafters
-    spec = {"method": method, "num_speculative_tokens": 3}
-    if method == "mtp":  # a model's MTP layers are its own
-        return drafters.build_mtp_target(tmp_path / "mimo"), spec
-    if method == "eagle3":
-        target, head = drafters.build_mirrored_eagle3_pair(tmp_path / "target", tmp_path / "eagle3-head")
-        return target, {**spec, "model": str(head)}
-    target, head = eagle_pair
-    return target, {**spec, "model": str(head if method == "eagle" else target)}
-
-
 @pytest.mark.parametrize("method, v2", [("eagle", "0"), ("eagle", "1"), ("draft_model", "1"), ("eagle3", "0"),
                                         ("mtp", "0"), ("mtp", "1")],
                          ids=["eagle-v1", "eagle-v2", "draft_model-v2", "eagle3-v1", "mtp-v1", "mtp-v2"])
-def test_model_drafters_on_the_cuda_path_equal_the_oracle(eagle_pair, tmp_path, method, v2):
+def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, method, v2):
     """An EAGLE-1 and an EAGLE-3 head, a draft model (the target drafting for itself) and a
     model's own MTP layer, on the CUDA path with Model Runner V1 and V2: the drafter's layer runs
     vLLM's Triton attention over its whole cache, the target's the fused kernel; drafts
@@ -508,7 +494,7 @@ def test_model_drafters_on_the_cuda_path_equal_the_oracle(eagle_pair, tmp_path, 
     from transformers import AutoModelForCausalLM
 
     from h2o_vllm.oracle import H2OOracle
-    target, spec = _drafter(method, eagle_pair, tmp_path)
+    target, spec = mirrored_drafter(method, 3)
     prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)

@@ -170,55 +170,21 @@ def _eagle_matrix(target, prompts, speculative_config):
                 sorted({type(m).__name__ for m in managers}))
 
 
-def test_eagle_h2o_equals_the_dense_oracle_with_drafts_accepted(eagle_pair, eagle_prompts):
-    """An EAGLE-1 head (its layer's KV cache whole, in a KV-cache group of its own) over the
-    budget matrix: token for token the oracle's, with drafts accepted and rejected."""
-    target, head = eagle_pair
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_model_drafters_h2o_equal_the_dense_oracle_with_drafts_accepted(mirrored_drafter, eagle_prompts, method):
+    """An EAGLE-1 head, an EAGLE-3 head (it reads the target's hidden states, not the token's
+    embedding, in its residual) and a model's own MTP layer (a tiny MiMo), each mirroring a
+    one-layer target built for it (``h2o_devtools.models.drafters``), its layer's KV cache
+    whole in a KV-cache group of its own, over the budget matrix: token for token the oracle's,
+    with drafts accepted and rejected."""
+    target, spec = mirrored_drafter(method, DRAFTS)
     expected = _eagle_oracle(target, eagle_prompts)
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
     (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
-    print(f"EAGLE with H2O: {accepted}/{drafts} draft tokens accepted")
+    print(f"{method} with H2O: {accepted}/{drafts} draft tokens accepted")
     assert groups == ["FullAttentionManager", "H2OManager"], groups
     assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
     for name in EAGLE_BUDGETS:
-        assert outputs[name] == expected[name], f"{name}: H2O with EAGLE drafts left the oracle"
-    changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
-    assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
-
-
-def test_eagle3_h2o_equals_the_dense_oracle_with_drafts_accepted(tmp_path_factory, eagle_prompts):
-    """An EAGLE-3 head (it reads the target's hidden states, not the token's embedding, in its
-    residual) mirroring a target built for it (``drafters.build_mirrored_eagle3_pair``), over
-    the budget matrix: the oracle's tokens, drafts accepted and rejected."""
-    from h2o_devtools.models import drafters
-    target, head = drafters.build_mirrored_eagle3_pair(tmp_path_factory.mktemp("eagle3-target"),
-                                                       tmp_path_factory.mktemp("eagle3-head"))
-    expected = _eagle_oracle(target, eagle_prompts)
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": DRAFTS}
-    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
-    print(f"EAGLE-3 with H2O: {accepted}/{drafts} draft tokens accepted")
-    assert groups == ["FullAttentionManager", "H2OManager"], groups
-    assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
-    for name in EAGLE_BUDGETS:
-        assert outputs[name] == expected[name], f"{name}: H2O with EAGLE-3 drafts left the oracle"
-    changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
-    assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
-
-
-def test_mtp_h2o_equals_the_dense_oracle_with_drafts_accepted(tmp_path_factory, eagle_prompts):
-    """A model's own MTP layer (a tiny MiMo: Qwen2 plus one MTP layer mirroring its layer,
-    ``h2o_devtools.models.drafters.build_mtp_target``), its KV cache whole in a KV-cache group
-    of its own, over the budget matrix: the oracle's tokens, drafts accepted and rejected."""
-    from h2o_devtools.models import drafters
-    target = drafters.build_mtp_target(tmp_path_factory.mktemp("mimo-target"))
-    expected = _eagle_oracle(target, eagle_prompts)
-    spec = {"method": "mtp", "num_speculative_tokens": DRAFTS}
-    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
-    print(f"MTP with H2O: {accepted}/{drafts} draft tokens accepted")
-    assert groups == ["FullAttentionManager", "H2OManager"], groups
-    assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
-    for name in EAGLE_BUDGETS:
-        assert outputs[name] == expected[name], f"{name}: H2O with MTP drafts left the oracle"
+        assert outputs[name] == expected[name], f"{name}: H2O with {method} drafts left the oracle"
     changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
