@@ -131,6 +131,29 @@ def test_draft_model_h2o_equals_the_dense_oracle_with_drafts_accepted(draft_mode
             assert outputs[name] == oracle_outputs[name], f"{name}: H2O with a draft model left the oracle"
 
 
+def _smollm2_small_drafter_round(model_dir, prompts, speculative_config):
+    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=speculative_config,
+                     disable_log_stats=False, additional_config={"h2o": {}}) as llm:
+        managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
+        return _run_matrix(llm, prompts, SMALL_DRAFTER_BUDGETS), [type(m).__name__ for m in managers]
+
+
+SMALL_DRAFTER_BUDGETS = {name: BUDGETS[name] for name in ("tokens-16+16-interval8", "chunk-64-tokens-16+16-interval8")}
+
+
+def test_a_smaller_draft_model_splitting_the_target_into_several_h2o_groups_equals_the_oracle(
+        smollm2_dir, smollm2_4_layers_dir, prompts, oracle_outputs):
+    """SmolLM2's first four layers drafting for SmolLM2: vLLM groups layers in equal numbers, so
+    the target's 30 layers become eight H2O KV-cache groups beside the drafter's whole one; every
+    group runs the same plan, and the tokens are the oracle's."""
+    draft = {"method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": DRAFTS}
+    (outputs, drafts, _), groups = in_fresh_process(_smollm2_small_drafter_round, smollm2_dir, prompts, draft)
+    assert groups.count("H2OManager") > 1 and "FullAttentionManager" in groups, groups
+    assert drafts > 0
+    for name in SMALL_DRAFTER_BUDGETS:
+        assert outputs[name] == oracle_outputs[name], f"{name}: H2O beside a smaller draft model left the oracle"
+
+
 # --------------------------------------------------------------------------- EAGLE, tiny models
 
 EAGLE_BLOCK = 16
