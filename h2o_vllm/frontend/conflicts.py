@@ -142,7 +142,7 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 SPECULATORS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
-def speculator(method: str | None) -> str | None:
+def _speculator(method: str | None) -> str | None:
     """The speculator a method name asks for: every vLLM MTP family name is "mtp"."""
     return "mtp" if method is not None and method.endswith("_mtp") else method
 
@@ -159,7 +159,7 @@ _OWN_PROPOSER_MTP = {
 def _check_mtp_layers(method: str | None, draft_model_config: Any) -> None:
     hf = getattr(draft_model_config, "hf_config", None)
     model_type = getattr(hf, "model_type", None)
-    if speculator(method) == "mtp" and model_type in _OWN_PROPOSER_MTP:
+    if _speculator(method) == "mtp" and model_type in _OWN_PROPOSER_MTP:
         raise ValueError(
             f"speculative decoding with {model_type} layers (--speculative-config) cannot be combined "
             f"with H2O KV eviction: {_OWN_PROPOSER_MTP[model_type]}. Use n-gram drafts "
@@ -176,7 +176,7 @@ def _check_speculative_args(args: Any) -> None:
 
 
 def _check_async_drafter(method: str | None, async_scheduling: bool | None, flag: str, way_out: str) -> None:
-    if speculator(method) in WORKER_DRAFTERS and async_scheduling:
+    if _speculator(method) in WORKER_DRAFTERS and async_scheduling:
         raise ValueError(
             f"async scheduling with a {method} speculator ({flag}) cannot be combined with H2O KV "
             "eviction: the scheduler would place the next step's compaction before the drafts in "
@@ -208,7 +208,7 @@ def settle_async_scheduling(args: Any) -> bool:
     """Turn vLLM's async scheduling off where it defaults on with a drafter H2O cannot run it
     with (an explicit ``--async-scheduling`` is refused by ``check_engine_args``); True if it did."""
     if getattr(args, "async_scheduling", None) is None and any(
-            speculator(method) in WORKER_DRAFTERS for method, _, _ in _speculators(args)):
+            _speculator(method) in WORKER_DRAFTERS for method, _, _ in _speculators(args)):
         args.async_scheduling = False
         return True
     return False
@@ -216,7 +216,7 @@ def settle_async_scheduling(args: Any) -> bool:
 
 def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> None:
     """Refuse a speculator H2O cannot run exactly with, naming the way out."""
-    if speculator(method) not in SPECULATORS:
+    if _speculator(method) not in SPECULATORS:
         why = "H2O is shown exact with n-gram, draft-model, EAGLE / EAGLE-3 and MTP speculators only"
         raise ValueError(
             f"speculative decoding with method {method!r} ({flag}) cannot be combined with H2O KV "
