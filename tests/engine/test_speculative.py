@@ -131,14 +131,14 @@ def test_draft_model_h2o_equals_the_dense_oracle_with_drafts_accepted(draft_mode
             assert outputs[name] == oracle_outputs[name], f"{name}: H2O with a draft model left the oracle"
 
 
+SMALL_DRAFTER_BUDGETS = {name: BUDGETS[name] for name in ("tokens-16+16-interval8", "chunk-64-tokens-16+16-interval8")}
+
+
 def _smollm2_small_drafter_round(model_dir, prompts, speculative_config):
     with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=speculative_config,
                      disable_log_stats=False, additional_config={"h2o": {}}) as llm:
         managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
         return _run_matrix(llm, prompts, SMALL_DRAFTER_BUDGETS), [type(m).__name__ for m in managers]
-
-
-SMALL_DRAFTER_BUDGETS = {name: BUDGETS[name] for name in ("tokens-16+16-interval8", "chunk-64-tokens-16+16-interval8")}
 
 
 def test_a_smaller_draft_model_splitting_the_target_into_several_h2o_groups_equals_the_oracle(
