@@ -61,9 +61,10 @@ def replay(drafter, prompt: list[int], target_tokens: list[int], k: int) -> tupl
     pos, drafts, accepted = 1, 0, 0
     while pos < len(target_tokens):
         trial, trial_logits, proposal = copy.deepcopy(state), logits, []
-        for i in range(min(k, len(target_tokens) - pos)):
+        num_drafts = min(k, len(target_tokens) - pos)
+        for i in range(num_drafts):
             proposal.append(int(trial_logits.argmax()))
-            if i + 1 < k:
+            if i + 1 < num_drafts:
                 trial_logits = drafter.step(trial, proposal[-1:])
         matched = next((i for i, (d, t) in enumerate(zip(proposal, target_tokens[pos:])) if d != t), len(proposal))
         drafts, accepted = drafts + len(proposal), accepted + matched
@@ -150,6 +151,11 @@ def main(argv=None) -> dict:
     return result
 
 
+def _cache_name(row: dict) -> str:
+    budget = row["drafter_budget"]
+    return "whole" if budget == "whole" else f"H2O {float(budget):.0%}"
+
+
 def write_table(result: dict, path: Path) -> None:
     meta = result["meta"]
     drafter = "the target itself" if meta["drafter"] == meta["model"] else meta["drafter"]
@@ -160,8 +166,7 @@ def write_table(result: dict, path: Path) -> None:
              f"{meta['output_len']} tokens each; measured on {meta['measured_on']}.", "",
              "| drafter KV cache | drafts | accepted | acceptance |", "|---|---:|---:|---:|"]
     for row in result["rows"]:
-        name = "whole" if row["drafter_budget"] == "whole" else f"H2O {float(row['drafter_budget']):.0%}"
-        lines.append(f"| {name} | {row['drafts']} | {row['accepted']} | {row['acceptance']:.2f} |")
+        lines.append(f"| {_cache_name(row)} | {row['drafts']} | {row['accepted']} | {row['acceptance']:.2f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -170,9 +175,8 @@ def write_plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = result["rows"]
-    names = ["whole" if r["drafter_budget"] == "whole" else f"H2O {float(r['drafter_budget']):.0%}" for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(names, [r["acceptance"] for r in rows], color="tab:blue")
+    ax.bar([_cache_name(r) for r in rows], [r["acceptance"] for r in rows], color="tab:blue")
     ax.set_ylim(0, 1)
     ax.set_xlabel("drafter's KV cache")
     ax.set_ylabel("draft tokens accepted")

@@ -1,6 +1,7 @@
 """benchmarks/drafter_eviction.py's replay of greedy speculation on the oracle: a drafter that
-is the target (same model, same budget) is accepted on every draft; one with another budget
-is counted against the target's tokens, draft by draft."""
+is the target (same model, same budget) is accepted on every draft; a scripted drafter's
+drafts are counted against the target's tokens, verification by verification; the
+layer-skipping drafter keeps the layers it names."""
 import pytest
 import torch
 
