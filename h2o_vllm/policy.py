@@ -157,6 +157,13 @@ def draft_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
     return max(1, budget.tokens + budget.interval - 1 - kv_len)
 
 
+def step_compacts(num_computed: int, num_tokens: int, prompt_len: int, budget: Budget) -> bool:
+    """Whether a step of ``num_tokens`` tokens starting at ``num_computed`` ends in a
+    compaction: the cache it leaves is shorter than the one it started with plus its tokens."""
+    return (kv_len_after(num_computed + num_tokens, prompt_len, budget)
+            < kv_len_after(num_computed, prompt_len, budget) + num_tokens)
+
+
 def kv_len_after(tokens_processed: int, prompt_len: int, budget: Budget) -> int:
     """Live KV length of a sequence after ``tokens_processed`` tokens."""
     return live_kv_len(tokens_processed, prompt_len, budget.tokens, budget.interval,

@@ -38,9 +38,6 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
         method = getattr(spec, "method", None)
         check_speculative(method, getattr(spec, "num_speculative_tokens", None), "--speculative-config")
         _check_mtp_layers(method, getattr(spec, "draft_model_config", None))
-        scheduler = getattr(vllm_config, "scheduler_config", None)
-        _check_async_drafter(method, getattr(scheduler, "async_scheduling", False), "--speculative-config",
-                             "Pass --no-async-scheduling")
     kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer is not None:
         kv_transfer_config.check(kv_transfer, speculative=spec is not None, way_out=_OFF)
@@ -171,16 +168,6 @@ def _check_speculative_args(args: Any) -> None:
     """``--speculative-config`` and its shorthands, as given (vLLM resolves them later)."""
     for method, num_tokens, flag in _speculators(args):
         check_speculative(method, num_tokens, flag)
-        _check_async_drafter(method, getattr(args, "async_scheduling", None), flag,
-                             "Drop --async-scheduling (H2O turns it off for this speculator)")
-
-
-def _check_async_drafter(method: str | None, async_scheduling: bool | None, flag: str, way_out: str) -> None:
-    if _speculator(method) in WORKER_DRAFTERS and async_scheduling:
-        raise ValueError(
-            f"async scheduling with a {method} speculator ({flag}) cannot be combined with H2O KV "
-            "eviction: the scheduler would place the next step's compaction before the drafts in "
-            f"flight are verified. {way_out}, use n-gram drafts, {_OFF}")
 
 
 def _speculators(args: Any) -> list[tuple[str | None, int | None, str]]:
@@ -196,22 +183,6 @@ def _speculators(args: Any) -> list[tuple[str | None, int | None, str]]:
         method = config.get("method") or ("draft_model" if config.get("model") else None)
         found.append((method, config.get("num_speculative_tokens"), "--speculative-config"))
     return found
-
-
-#: Speculators whose drafts the worker makes after the step: under async scheduling the
-#: scheduler places the next step, and with it the cadence's next compaction, before this
-#: step's drafts are verified, so H2O runs them with async scheduling off.
-WORKER_DRAFTERS = ("draft_model", "eagle", "eagle3", "mtp")
-
-
-def settle_async_scheduling(args: Any) -> bool:
-    """Turn vLLM's async scheduling off where it defaults on with a drafter H2O cannot run it
-    with (an explicit ``--async-scheduling`` is refused by ``check_engine_args``); True if it did."""
-    if getattr(args, "async_scheduling", None) is None and any(
-            _speculator(method) in WORKER_DRAFTERS for method, _, _ in _speculators(args)):
-        args.async_scheduling = False
-        return True
-    return False
 
 
 def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> None:

@@ -27,10 +27,6 @@ def settle_engine_args(args: Any) -> H2OConfig | None:
     if (connector := kv_transfer_config.settle(args)) is not None:
         logger.info("h2o: the KV connector is %s (on the settings given; it carries H2O's kept KV "
                     "and scores: docs/kv-transfer.md)", connector)
-    if conflicts.settle_async_scheduling(args):
-        logger.warning("async scheduling is off: H2O with a draft model or EAGLE head verifies each step's drafts "
-                       "before it places the next compaction (docs/semantics.md, \"Speculative "
-                       "decoding\").")
     cuda_config.adjust_engine_args(args)  # CUDA path: backend; CUDA only: runner, async, graphs
     return h2o
 

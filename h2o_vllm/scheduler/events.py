@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from h2o_vllm import metrics
-from h2o_vllm.policy import draft_step_limit, prefill_step_limit
+from h2o_vllm.policy import draft_step_limit, prefill_step_limit, step_compacts
 from h2o_vllm.scheduler.manager import H2OManager
 
 
@@ -38,8 +38,13 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
     prefill chunk (``prefill_chunk``), whatever else is in the batch, so the cadence checks the
     same token counts in every batch and after a preemption; and a speculative step's drafts
     cut where they would reach the request's next compaction (``policy.draft_step_limit``:
-    docs/semantics.md, "Speculative decoding"). The tokens already known are never cut."""
+    docs/semantics.md, "Speculative decoding"). The tokens already known are never cut, with
+    one exception: under async scheduling, a step that would compact while an earlier step's
+    drafts are still unverified is not scheduled yet (0), because ``num_computed_tokens``
+    counts those drafts as accepted, and after a rejection the compaction is not there."""
     known = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+    # Each step in flight holds one placeholder for its sampled token and one per draft.
+    drafts_in_flight = request.num_output_placeholders > 1
     for manager in managers:
         prompt_len = manager.prompt_len_of(request)
         budget = manager.budgets.resolve(request.request_id, prompt_len)
@@ -53,6 +58,8 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
         if num_new_tokens > known:
             limit = draft_step_limit(num_computed_tokens, prompt_len, budget)
             num_new_tokens = min(num_new_tokens, max(known, limit))
+        if drafts_in_flight and step_compacts(num_computed_tokens, num_new_tokens, prompt_len, budget):
+            return 0
     return num_new_tokens
 
 

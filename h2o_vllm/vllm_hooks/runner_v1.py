@@ -73,12 +73,34 @@ def _batch_rows(runner, num_reqs: int, scheduled: dict[str, int]):
     def extra_args_of(req_id: str):
         params = requests[req_id].sampling_params
         return params.extra_args if params is not None else None
+    num_computed = torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs]).to(torch.int64)
+    if runner.use_async_spec_decode and batch.prev_req_id_to_index:
+        num_computed -= torch.tensor(unverified_drafts(
+            req_ids, batch.prev_req_id_to_index, runner.prev_num_draft_tokens.np,
+            runner._get_valid_sampled_token_count()), dtype=torch.int64)
     return BatchRows(
         req_ids=req_ids,
-        num_computed=torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs]).to(torch.int64),
+        num_computed=num_computed,
         prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
         query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
         extra_args_of=extra_args_of, live_request_ids=requests.keys())
+
+
+def unverified_drafts(req_ids, prev_rows: dict[str, int], drafted, sampled: list[int]) -> list[int]:
+    """Async scheduling with drafts: how far each row's computed-token count is ahead of its
+    cache. vLLM counts the previous step's drafts as accepted and corrects the count on the
+    device before the forward, on the host only after it; H2O's plan needs the true count
+    now. ``drafted``: the previous step's drafts by its row (``prev_num_draft_tokens``);
+    ``sampled``: tokens it kept by that row, drafts accepted plus one (vLLM copies them to the
+    host right after sampling: waiting for them leaves the drafter's passes overlapping)."""
+    ahead = [0] * len(req_ids)
+    if not sampled:
+        return ahead
+    for row, req_id in enumerate(req_ids):
+        prev = prev_rows.get(req_id)
+        if prev is not None and drafted[prev]:
+            ahead[row] = int(drafted[prev]) - (sampled[prev] - 1)
+    return ahead
 
 
 def _truncate_row(runner, group_id: int, row: int, keep: int, fresh: list[int] | None) -> None:

@@ -90,11 +90,22 @@ def _batch_rows(runner, input_batch):
     states = runner.req_states
     return BatchRows(
         req_ids=input_batch.req_ids[:n],
-        num_computed=torch.from_numpy(input_batch.num_computed_tokens_np[:n]).to(torch.int64),
+        num_computed=_num_computed(runner, input_batch),
         prompt_lens=torch.from_numpy(states.prompt_len.np[slots]).to(torch.int64),
         query_lens=torch.from_numpy(input_batch.num_scheduled_tokens[:n]).to(torch.int64),
         extra_args_of=lambda req_id: None,  # resolved in add_requests
         live_request_ids=states.req_id_to_index.keys())
+
+
+def _num_computed(runner, input_batch) -> torch.Tensor:
+    """Each row's computed tokens before this step. Under async scheduling with drafts, V2's
+    host counts take the previous step's drafts as accepted (an optimistic mirror) and only
+    the device holds the verified count: H2O's plan reads it there, waiting for the previous
+    step's work."""
+    n = input_batch.num_reqs
+    if runner.speculator is not None and runner.vllm_config.scheduler_config.async_scheduling:
+        return runner.req_states.num_computed_tokens.gpu[input_batch.idx_mapping[:n]].to("cpu", torch.int64)
+    return torch.from_numpy(input_batch.num_computed_tokens_np[:n]).to(torch.int64)
 
 
 def _truncate_row(runner, input_batch, group_id: int, row: int, keep: int, fresh) -> None:

@@ -437,16 +437,15 @@ CUDA_PATH_TOKENS = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0"):
+def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", async_scheduling=False):
     """In a fresh process: an engine with a speculator registers vLLM's speculative Triton
     kernels in its process, after which vLLM's dispatcher fails the next engine started there
-    (tests/engine/test_speculative.py). ``v2``: VLLM_USE_V2_MODEL_RUNNER; vLLM's default async
-    scheduling, which H2O turns off for a drafter with a model."""
+    (tests/engine/test_speculative.py). ``v2``: VLLM_USE_V2_MODEL_RUNNER."""
     params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
               for _ in prompts]
     with vllm_engine(model_dir, in_process=True, block_size=16, max_model_len=256,
                      speculative_config=speculative_config, disable_log_stats=False,
-                     additional_config={"h2o": {}},
+                     additional_config={"h2o": {}}, async_scheduling=async_scheduling,
                      **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: v2})) as llm:
         evicted = []
         outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
@@ -483,14 +482,17 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
 
 
-@pytest.mark.parametrize("method, v2", [("eagle", "0"), ("eagle", "1"), ("draft_model", "1"), ("eagle3", "0"),
-                                        ("mtp", "0"), ("mtp", "1")],
-                         ids=["eagle-v1", "eagle-v2", "draft_model-v2", "eagle3-v1", "mtp-v1", "mtp-v2"])
-def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, method, v2):
+@pytest.mark.parametrize("method, v2, scheduling", [
+    ("eagle", "0", "sync"), ("eagle", "1", "async"), ("draft_model", "1", "async"), ("eagle3", "0", "async"),
+    ("mtp", "0", "async"), ("mtp", "1", "async"), ("mtp", "1", "sync")],
+    ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
+def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, method, v2, scheduling):
     """An EAGLE-1 and an EAGLE-3 head, a draft model (the target drafting for itself) and a
     model's own MTP layer, on the CUDA path with Model Runner V1 and V2: the drafter's layer runs
     vLLM's Triton attention over its whole cache, the target's the fused kernel; drafts
-    accepted, tokens the oracle's."""
+    accepted, tokens the oracle's. Async scheduling (V2's default): each step is scheduled and
+    prepared while the previous step's drafts are unverified; the scheduler holds back a
+    compaction behind them and the worker plans on the verified counts."""
     from transformers import AutoModelForCausalLM
 
     from h2o_vllm.oracle import H2OOracle
@@ -501,7 +503,8 @@ def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, meth
                 for name, b in CUDA_PATH_BUDGETS.items()}
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
     outputs, (drafts, accepted), evicted = in_fresh_process(
-        _cuda_path_speculative_run, target, prompts, spec, v2, env={**DEVICE.get("env", {}), V2_ENV: v2})
+        _cuda_path_speculative_run, target, prompts, spec, v2, scheduling == "async",
+        env={**DEVICE.get("env", {}), V2_ENV: v2})
     assert 0 < accepted < drafts and evicted > 0
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from budgets import extra_args, oracle
-from engines import (check_block_lists, greedy, in_fresh_process, random_prompts, repeated_passages,
+from engines import (V2_ENV, check_block_lists, greedy, in_fresh_process, random_prompts, repeated_passages,
                      run_steps, scheduler_of, spec_decode_counts, vllm_engine)
 from h2o_vllm.oracle import H2OOracle
+from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 BLOCK = 32
 MAX_TOKENS = 48
@@ -218,13 +219,13 @@ TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
 TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM):
+def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM, **engine):
     # A pool of 48 blocks per KV-cache group: a draft model's (or EAGLE head's) one layer
     # beside the target's four makes five groups (four of them H2O's), which share the pool.
     groups = 1 if speculative_config["method"] == "ngram" else 5
     return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48 * groups,
                        max_model_len=512, speculative_config=speculative_config,
-                       additional_config={"h2o": TINY_H2O})
+                       additional_config={"h2o": TINY_H2O}, **engine)
 
 
 @pytest.fixture(scope="module")
@@ -234,26 +235,33 @@ def tiny_draft_dir(tmp_path_factory):
     return models.build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_layers=1)
 
 
-@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp"])
+#: The CUDA path (interpreted) with Model Runner V2 and async scheduling, vLLM's CUDA defaults:
+#: each step scheduled while the previous step's drafts are unverified.
+CUDA_V2_ASYNC = {"async_scheduling": True, "env": {SWITCH: "1", V2_ENV: "1"}}
+
+
+@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp", "mtp-cuda-v2-async"])
 def tiny_speculator(request, tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
-    """(target, speculative config): the tiny Llama, or a four-layer tiny MiMo for its own MTP
-    layer (four target layers and one drafter layer either way: five KV-cache groups)."""
+    """(target, speculative config, engine settings): the tiny Llama, or a four-layer tiny MiMo
+    for its own MTP layer (four target layers and one drafter layer either way: five KV-cache
+    groups)."""
     from h2o_devtools.models import drafters
     if request.param == "ngram":
-        return tiny_llama_dir, TINY_NGRAM
-    if request.param == "mtp":
+        return tiny_llama_dir, TINY_NGRAM, {}
+    if request.param.startswith("mtp"):
         target = drafters.build_mtp_target(tmp_path_factory.mktemp("tiny-mimo"), num_layers=4)
-        return target, {"method": "mtp", "num_speculative_tokens": DRAFTS}
+        return (target, {"method": "mtp", "num_speculative_tokens": DRAFTS},
+                CUDA_V2_ASYNC if request.param.endswith("async") else {})
     if request.param == "eagle":
         head = drafters.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
-        return tiny_llama_dir, {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}
-    return tiny_llama_dir, {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}
+        return tiny_llama_dir, {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}, {}
+    return tiny_llama_dir, {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}, {}
 
 
-def _preempted_run(model_dir, speculative_config):
+def _preempted_run(model_dir, speculative_config, engine):
     """In a fresh process: the admission headroom off (the process is this test's alone), so
     the pool overflows and vLLM preempts."""
-    with _tiny_ngram(model_dir, speculative_config) as llm:
+    with _tiny_ngram(model_dir, speculative_config, **engine) as llm:
         from h2o_vllm.scheduler.manager import H2OManager  # once the plugin has loaded
         H2OManager.admission_headroom = lambda self, *args: 0
         scheduler = scheduler_of(llm)
@@ -274,14 +282,15 @@ def _preempted_run(model_dir, speculative_config):
 def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, *tiny_speculator)
+    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, *tiny_speculator,
+                                                                   env=tiny_speculator[2].get("env"))
     assert preempted, "the pool was large enough: no preemption happened"
     assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
     assert free_after == free_before
 
 
-def _aborted_run(model_dir, speculative_config):
-    with _tiny_ngram(model_dir, speculative_config) as llm:
+def _aborted_run(model_dir, speculative_config, engine):
+    with _tiny_ngram(model_dir, speculative_config, **engine) as llm:
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
         prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
@@ -290,6 +299,6 @@ def _aborted_run(model_dir, speculative_config):
 
 
 def test_aborted_requests_with_drafts_return_their_blocks(tiny_speculator):
-    outputs, free_before, free_after = in_fresh_process(_aborted_run, *tiny_speculator)
+    outputs, free_before, free_after = in_fresh_process(_aborted_run, *tiny_speculator, env=tiny_speculator[2].get("env"))
     assert sorted(outputs) == ["0", "2"]
     assert free_after == free_before

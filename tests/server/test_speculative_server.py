@@ -1,15 +1,13 @@
 """`h2o-vllm serve --kv-eviction h2o --speculative-config ...`: a model's own MTP layer drafting
 (a tiny MiMo whose MTP layer mirrors its layer, ``h2o_devtools.models.drafters``) behind the
 OpenAI API. Greedy completions, engine and per-request budgets, equal the dense oracle; vLLM's
-own speculative counters on /metrics show drafts accepted; async scheduling asked for with it
-is refused before the model loads, naming the flag."""
+own speculative counters on /metrics show drafts accepted."""
 import json
-import subprocess
 
 import pytest
 import requests
 import torch
-from harness import H2O_VLLM, COMMON_ARGS, Server, server_env, serving
+from harness import Server, serving
 
 from budgets import extra_args, oracle
 
@@ -69,11 +67,3 @@ def test_served_mtp_drafts_equal_the_oracle_with_drafts_accepted(server, prompts
     assert 0 < counters["vllm:spec_decode_num_accepted_tokens_total"] < counters["vllm:spec_decode_num_draft_tokens_total"]
     assert any(o != expected[-1] for o in expected[:-1]), "eviction changed nothing: the test proves little"
 
-
-def test_async_scheduling_with_a_worker_drafter_is_refused_before_the_model_loads(target):
-    done = subprocess.run([H2O_VLLM, "serve", str(target), *COMMON_ARGS, *FLAGS, "--async-scheduling"],
-                          env=server_env(), capture_output=True, text=True, timeout=180)
-    out = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert "async scheduling with a mtp speculator (--speculative-config)" in out, out[-3000:]
-    assert "Drop --async-scheduling" in out and "Loading weights" not in out

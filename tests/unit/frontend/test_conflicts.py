@@ -155,24 +155,18 @@ DRAFT = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}
 @pytest.mark.parametrize("drafter", [DRAFT, {"method": "eagle", "model": "head", "num_speculative_tokens": 3},
                                      {"method": "eagle3", "model": "head", "num_speculative_tokens": 3},
                                      {"method": "mimo_mtp", "num_speculative_tokens": 1}])
-def test_a_worker_side_drafter_turns_async_scheduling_off_where_vllm_would_default_it_on(drafter):
-    """The drafts of a draft model or an EAGLE head are made by the worker after the step:
-    under async scheduling the next step's compaction would be placed before they are verified."""
-    args = _args(speculative_config=drafter)
-    assert args.async_scheduling is None and conflicts.settle_async_scheduling(args)
-    assert args.async_scheduling is False
-    for kept in (_args(speculative_config=DRAFT, async_scheduling=False),
-                 _args(speculative_config={"method": "ngram", "num_speculative_tokens": 3}), _args()):
-        before = kept.async_scheduling
-        assert not conflicts.settle_async_scheduling(kept) and kept.async_scheduling is before
-
-
-def test_a_draft_model_with_async_scheduling_asked_for_is_refused():
-    message = _refusal(conflicts.check_engine_args, _args(speculative_config=DRAFT, async_scheduling=True), H2O)
-    assert "--async-scheduling" in message and "Drop --async-scheduling" in message
-    spec = SimpleNamespace(method="draft_model", num_speculative_tokens=3)
-    built = _vllm_config(speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=True))
-    assert "--no-async-scheduling" in _refusal(conflicts.check_vllm_config, built, H2O)
+@pytest.mark.parametrize("async_scheduling", [None, True])
+def test_a_worker_side_drafter_runs_with_async_scheduling_as_vllm_sets_it(drafter, async_scheduling):
+    """A draft model's, EAGLE head's or MTP layer's drafts are made by the worker after the
+    step, and under async scheduling the next step is scheduled before they are verified: H2O
+    holds a compaction back behind them and plans on the verified counts, so the flag (or
+    vLLM's default) stands."""
+    args = _args(speculative_config=drafter, async_scheduling=async_scheduling)
+    conflicts.check_engine_args(args, H2O)
+    assert args.async_scheduling is async_scheduling
+    spec = SimpleNamespace(method=drafter["method"], num_speculative_tokens=3)
+    conflicts.check_vllm_config(_vllm_config(speculative_config=spec,
+                                             scheduler_config=SimpleNamespace(async_scheduling=True)), H2O)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3", "mtp"])

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -16,6 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from h2o_vllm import metrics, vllm_hooks
 from h2o_vllm.config import Budget, H2OConfig
+from h2o_vllm.policy import kv_len_after, step_compacts
 from h2o_vllm.scheduler import events as step
 from h2o_vllm.scheduler.manager import H2OManager
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
@@ -135,3 +138,42 @@ def test_scheduler_step_record_metrics_sets_recorder(monkeypatch):
     before = dict(metrics.recorder().values)
     step.record_metrics([], running)  # no H2O group: nothing recorded
     assert metrics.recorder().values == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_len=st.integers(1, 80), heavy=st.integers(1, 10), recent=st.integers(1, 10),
+       interval=st.integers(1, 12), drafts=st.integers(1, 4), data=st.data())
+def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverified_drafts(
+        prompt_len, heavy, recent, interval, drafts, data):
+    """Async scheduling with a worker drafter: each step is scheduled while the one before it
+    (its drafts unverified) is in flight, on vLLM's count of every draft accepted. Whatever
+    the drafts' fate, the step compacts or not as the scheduler counts it, a step with
+    drafts never compacts, compactions come where plain decoding has them, and a request
+    waits at most one step for its in-flight drafts."""
+    config = {"h2o_heavy_tokens": heavy, "h2o_recent_tokens": recent, "h2o_interval": interval}
+    (m,) = _managers(H2OConfig())
+    request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt_len, sampling_params=None,
+                              num_tokens=0, num_output_placeholders=0)
+    budget = m.budgets.resolve("r", prompt_len, config)
+    computed, in_flight, end, compactions, waited = prompt_len, 0, prompt_len + 60, [], False
+    while computed < end:
+        # vLLM's view: the step in flight (in_flight tokens: its sampled token and its drafts)
+        # counted in full; one token (the last sampled) known past it.
+        request.num_tokens, request.num_output_placeholders = computed + 1, in_flight
+        optimistic = computed + in_flight
+        tokens = step.limit_step([m], request, optimistic, 1 + drafts)
+        starts = range(computed + 1, optimistic + 1) if in_flight else [computed]
+        if tokens:
+            outcomes = {step_compacts(s, tokens, prompt_len, budget) for s in starts}
+            assert outcomes == {step_compacts(optimistic, tokens, prompt_len, budget)}
+            assert tokens == 1 or outcomes == {False}
+        else:
+            assert in_flight > 1 and not waited  # drafts in flight, and only one step's wait
+        waited = not tokens
+        if in_flight:  # the step in flight is verified: its sampled token and some drafts
+            computed += 1 + data.draw(st.integers(0, in_flight - 1))
+        if tokens and step_compacts(computed, tokens, prompt_len, budget):
+            compactions.append(computed + tokens)
+        in_flight = tokens
+    assert compactions == [n for n in range(prompt_len + 1, computed + in_flight + 1)  # plain decoding's
+                           if kv_len_after(n, prompt_len, budget) < kv_len_after(n - 1, prompt_len, budget) + 1]

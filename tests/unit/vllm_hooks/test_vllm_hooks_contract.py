@@ -558,6 +558,36 @@ def test_speculative_steps_are_read_from_vllms_step_output_and_requests():
     assert (request.num_tokens, request.num_output_placeholders, request.num_tokens_with_spec) == (3, 0, 5)
 
 
+def test_async_drafts_are_counted_where_the_hooks_read_them():
+    """Async scheduling with a worker drafter. The scheduler: a step in flight holds one
+    output placeholder for its sampled token and one per draft (``events.limit_step``'s
+    drafts-in-flight test). V1: the previous step's drafts by its row and the tokens it kept
+    reach the host, and vLLM's own correction is the one ``runner_v1.unverified_drafts``
+    makes. V2: the device's computed-token count is the verified one (``runner_v2``)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from h2o_vllm.vllm_hooks.runner_v1 import unverified_drafts
+    placeholders = inspect.getsource(AsyncScheduler._update_after_schedule)
+    assert "self.num_sampled_tokens_per_step + cur_num_spec_tokens" in placeholders
+    assert {"use_async_spec_decode", "prev_num_draft_tokens"} <= _assigned(GPUModelRunner)
+    assert "prev_req_id_to_index" in _assigned(InputBatch)
+    update = inspect.getsource(GPUModelRunner._update_states)
+    assert "self.prev_num_draft_tokens.np[prev_req_index] = (" in update
+    assert "valid_sampled_token_count = self._get_valid_sampled_token_count()" in update
+    assert "num_accepted = valid_sampled_token_count[prev_req_index] - 1" in update
+    assert "correction = optimistic_num_accepted - num_accepted" in update
+    assert _params(GPUModelRunner._get_valid_sampled_token_count) == ["self"]  # the hook calls it
+    # Rows reordered since the previous step; "c" is new, "b" drafted nothing.
+    assert unverified_drafts(["b", "a", "c"], {"a": 0, "b": 1}, [3, 0], [2, 1]) == [0, 2, 0]
+    assert unverified_drafts(["a"], {"a": 0}, [3], []) == [0]  # no previous sampling
+    assert "speculator" in _assigned(RunnerV2)
+    post = inspect.getsource(RunnerV2.postprocess_sampled)
+    assert "self.req_states.num_computed_tokens.gpu" in post and "num_rejected" in post
+
+
 def test_a_draft_model_gets_its_own_groups_metadata_from_the_v1_hook():
     """What ``vllm_hooks.runner_v1._drafters_own_group`` and ``runner.drafter_layer_names``
     lean on: vLLM 0.32's proposer keeps its layers' names and KV-cache group on itself, hands a
