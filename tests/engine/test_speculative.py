@@ -240,22 +240,31 @@ def tiny_draft_dir(tmp_path_factory):
 CUDA_V2_ASYNC = {"async_scheduling": True, "env": {SWITCH: "1", V2_ENV: "1"}}
 
 
-@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp", "mtp-cuda-v2-async"])
-def tiny_speculator(request, tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
-    """(target, speculative config, engine settings): the tiny Llama, or a four-layer tiny MiMo
-    for its own MTP layer (four target layers and one drafter layer either way: five KV-cache
-    groups)."""
+@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp"])
+def tiny_speculator(request, tiny_speculator_of):
+    return tiny_speculator_of(request.param)
+
+
+@pytest.fixture(scope="module")
+def tiny_speculator_of(tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
+    """(target, speculative config, engine settings) by name: the tiny Llama, or a four-layer
+    tiny MiMo for its own MTP layer (four target layers and one drafter layer either way: five
+    KV-cache groups)."""
     from h2o_devtools.models import drafters
-    if request.param == "ngram":
-        return tiny_llama_dir, TINY_NGRAM, {}
-    if request.param.startswith("mtp"):
-        target = drafters.build_mtp_target(tmp_path_factory.mktemp("tiny-mimo"), num_layers=4)
-        return (target, {"method": "mtp", "num_speculative_tokens": DRAFTS},
-                CUDA_V2_ASYNC if request.param.endswith("async") else {})
-    if request.param == "eagle":
-        head = drafters.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
-        return tiny_llama_dir, {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}, {}
-    return tiny_llama_dir, {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS}, {}
+
+    def make(name):
+        if name == "ngram":
+            return tiny_llama_dir, TINY_NGRAM, {}
+        if name.startswith("mtp"):
+            target = drafters.build_mtp_target(tmp_path_factory.mktemp("tiny-mimo"), num_layers=4)
+            return (target, {"method": "mtp", "num_speculative_tokens": DRAFTS},
+                    CUDA_V2_ASYNC if name.endswith("async") else {})
+        if name == "eagle":
+            head = drafters.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
+            return tiny_llama_dir, {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}, {}
+        return (tiny_llama_dir, {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": DRAFTS},
+                {})
+    return make
 
 
 def _preempted_run(model_dir, speculative_config, engine):
@@ -282,8 +291,7 @@ def _preempted_run(model_dir, speculative_config, engine):
 def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, *tiny_speculator,
-                                                                   env=tiny_speculator[2].get("env"))
+    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, *tiny_speculator)
     assert preempted, "the pool was large enough: no preemption happened"
     assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
     assert free_after == free_before
@@ -294,11 +302,20 @@ def _aborted_run(model_dir, speculative_config, engine):
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
         prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
-        outputs = run_steps(llm, prompts, greedy(80), abort_after=(15, ["1", "3"]))
+        outputs = run_steps(llm, prompts, greedy(80), abort_after=(15, ["1", "3"]),
+                            on_step=lambda: check_block_lists(llm, TINY_H2O, 16, DRAFTS))
         return outputs, free_before, pool.get_num_free_blocks()
 
 
-def test_aborted_requests_with_drafts_return_their_blocks(tiny_speculator):
-    outputs, free_before, free_after = in_fresh_process(_aborted_run, *tiny_speculator, env=tiny_speculator[2].get("env"))
+@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp", "mtp-cuda-v2-async"])
+def aborted_speculator(request, tiny_speculator_of):
+    return tiny_speculator_of(request.param)
+
+
+def test_aborted_requests_with_drafts_return_their_blocks(aborted_speculator):
+    """Two of four requests aborted mid-run, drafts in flight under async scheduling too: the
+    block lists agree after every step and the pool drains."""
+    outputs, free_before, free_after = in_fresh_process(_aborted_run, *aborted_speculator,
+                                                        env=aborted_speculator[2].get("env"))
     assert sorted(outputs) == ["0", "2"]
     assert free_after == free_before
