@@ -402,3 +402,19 @@ def test_draft_steps_never_hold_a_compaction(prompt_len, heavy, recent, interval
     if interval == 1:  # the paper's per-step eviction: once compacting, no step has room for a draft
         first = policy.first_compaction(prompt_len, budget.tokens, 1, chunk)
         assert all(policy.draft_step_limit(m, prompt_len, budget) == 1 for m in range(max(first, prompt_len), end))
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_len=st.integers(1, 120), heavy=st.integers(1, 12), recent=st.integers(1, 12),
+       interval=st.integers(1, 20), chunk=st.sampled_from([None, 7, 32]), start=st.integers(0, 200),
+       tokens=st.integers(1, 8))
+def test_a_step_compacts_when_one_of_its_tokens_would_alone(prompt_len, heavy, recent, interval, chunk, start,
+                                                            tokens):
+    """``step_compacts`` (the scheduler's async-drafts rule asks it) agrees with the cadence
+    walked one token at a time over the step's tokens."""
+    budget = H2OConfig(heavy_tokens=heavy, recent_tokens=recent, interval=interval,
+                       prefill_chunk=chunk).budget(prompt_len, 16)
+    start = max(start, prompt_len)  # steps that may hold drafts: past the prompt
+    one_by_one = any(kv_len_after(m, prompt_len, budget) < kv_len_after(m - 1, prompt_len, budget) + 1
+                     for m in range(start + 1, start + tokens + 1))
+    assert policy.step_compacts(start, tokens, prompt_len, budget) == one_by_one
