@@ -74,23 +74,9 @@ def _choose_backend(args: Any, where: str) -> None:
             f"H2O's scores and compaction). Pass --attention-backend CUSTOM or drop the flag, {_OFF}")
 
 
-#: Speculators refused on Model Runner V2 of the CUDA path: untested there (vLLM's own V2 n-gram
-#: kernel fails under the Triton interpreter: "mask has unsupported dtype").
-V2_UNTESTED_SPECULATORS = ("ngram",)
-
-
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
-    """After vLLM built its config: speculation on V2, graphs and cache dtype."""
+    """After vLLM built its config: graphs and cache dtype."""
     is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
-    speculative = getattr(vllm_config, "speculative_config", None)
-    if getattr(speculative, "method", None) in V2_UNTESTED_SPECULATORS and vllm_config.use_v2_model_runner \
-            and (is_cuda or triton_on_cpu_enabled()):
-        raise ValueError(
-            f"{speculative.method} speculative decoding (--speculative-config) cannot be combined with "
-            "H2O KV eviction on vLLM's Model Runner V2 yet: V2's n-gram kernel does not run under the "
-            "Triton interpreter, where H2O's CUDA path is tested (draft models and EAGLE heads are "
-            "tested on V2). Set VLLM_USE_V2_MODEL_RUNNER=0 (the V1 runner: H2O with n-gram drafts is "
-            f"exact there), use a draft model or an EAGLE head, drop --speculative-config, {_OFF}")
     _check_cache_dtype(vllm_config, is_cuda or triton_on_cpu_enabled())
     if not is_cuda:
         return

@@ -27,6 +27,12 @@ hook for a process whose plugin loaded before the switch was set):
   stays as vLLM resolved it (on by default, as on CUDA), so the scheduler runs a step ahead
   of the workers as it does on a GPU (both CPU executors support it).
 
+- Triton's interpreter tags a comparison's result with its operands' type (its ``binary_op``
+  keeps the left operand's dtype) though the data is boolean; splatting such a scalar to a
+  block then makes int32 data, and a load or store masked by it fails ("mask has unsupported
+  dtype"), where compiled Triton has an ``i1``. ``_keep_splat_boolean`` keeps the data boolean.
+  vLLM's V2 n-gram drafter (``_ngram_finalize_kernel``) masks that way.
+
 And one setting for speed: the interpreter runs a grid's programs one after another, and
 vLLM's split-KV decode kernel (the "3D" one, chosen for small decode batches as on a GPU)
 launches ``NUM_PAR_SOFTMAX_SEGMENTS`` = 16 programs per sequence and KV head. Two segments keep
@@ -86,6 +92,7 @@ def install() -> None:
     _wrap("vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls", _select_triton_backends)
     _wrap("torch.cuda:get_device_capability", _answer_cpu_capability)
     _wrap("vllm.platforms.cpu:CpuPlatform.check_and_update_config", _keep_async_scheduling)
+    _wrap("triton.runtime.interpreter:InterpreterBuilder.create_splat", _keep_splat_boolean)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
 
@@ -182,6 +189,16 @@ def _keep_async_scheduling(original):
         if enabled():
             scheduler_config.async_scheduling = resolved
     return check_and_update_config
+
+
+def _keep_splat_boolean(original):
+    def create_splat(self, ret_ty, arg):
+        import numpy as np
+        splat = original(self, ret_ty, arg)
+        if arg.data.dtype == np.bool_ and splat.data.dtype != np.bool_:
+            splat.data = splat.data.astype(np.bool_)
+        return splat
+    return create_splat
 
 
 def _answer_cpu_capability(original):

@@ -454,14 +454,17 @@ def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", a
         return outputs, spec_decode_counts(llm), max(evicted)
 
 
-@pytest.mark.parametrize("speculator", ["ngram", "draft_model"])
-def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir, speculator):
-    """``H2OTritonAttentionBackend`` (V1 runner): the fused kernel attends a verification row
-    without scoring it, and the accepted queries are scored at the row's next step
+@pytest.mark.parametrize("speculator, v2, scheduling", [
+    ("ngram", "0", "sync"), ("draft_model", "0", "sync"), ("ngram", "1", "sync")],
+    ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
+def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir, speculator, v2, scheduling):
+    """``H2OTritonAttentionBackend``: the fused kernel attends a verification row without
+    scoring it, and the accepted queries are scored at the row's next step
     (``worker/cuda/drafts.py``); a draft model's layers (the same four-layer model drafting
-    for itself) run vLLM's Triton attention over their whole cache. Without a GPU, inside
-    vLLM's CPU engine under the Triton interpreter; SmolLM2's first four layers copy the
-    repeated passages."""
+    for itself) run vLLM's Triton attention over their whole cache. Model Runner V2 drafts
+    n-grams on the device (a worker-side drafter, so under async scheduling its drafts are
+    unverified when the next step is planned). Without a GPU, inside vLLM's CPU engine under
+    the Triton interpreter; SmolLM2's first four layers copy the repeated passages."""
     from transformers import AutoModelForCausalLM
 
     from h2o_vllm.oracle import H2OOracle
@@ -473,8 +476,8 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     spec = NGRAM if speculator == "ngram" else {
         "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
     outputs, (drafts, accepted), evicted = in_fresh_process(
-        _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec,
-        env={**DEVICE.get("env", {}), V2_ENV: "0"})
+        _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec, v2, scheduling == "async",
+        env={**DEVICE.get("env", {}), V2_ENV: v2})
     assert 0 < accepted < drafts and evicted > 0
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):

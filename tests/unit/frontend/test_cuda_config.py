@@ -141,20 +141,15 @@ def test_the_v2_runner_passes_on_every_platform(is_cuda):
 
 
 @pytest.mark.parametrize("is_cuda, switch", [(True, None), (False, "1")], ids=["cuda", "cuda-path-on-cpu"])
-def test_ngram_speculation_is_refused_on_the_v2_runner_of_the_cuda_path(monkeypatch, is_cuda, switch):
-    """V2's own n-gram kernel does not run under the interpreter, so H2O with it is untested;
-    drafters with a model (draft model, EAGLE heads) are tested on V2 and pass."""
+def test_every_speculator_passes_on_both_runners_of_the_cuda_path(monkeypatch, is_cuda, switch):
+    """V2's n-gram drafter was refused while its kernel failed under the interpreter
+    (``triton_on_cpu._keep_splat_boolean``); it is engine-tested on V2 now, like the others."""
     from h2o_vllm.config import TRITON_ON_CPU_SWITCH
     from h2o_vllm.frontend import cuda_config
     if switch:
         monkeypatch.setenv(TRITON_ON_CPU_SWITCH, switch)
     for v2 in (False, True):
-        for method in ("ngram", "draft_model", "eagle", "eagle3"):
+        for method in ("ngram", "draft_model", "eagle", "eagle3", "mtp"):
             built = _built(v2=v2)
             built.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=3)
-            if not v2 or method != "ngram":
-                cuda_config.check_vllm_config(built, is_cuda=is_cuda)
-                continue
-            with pytest.raises(ValueError, match="Model Runner V2") as info:
-                cuda_config.check_vllm_config(built, is_cuda=is_cuda)
-            assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(info.value) and "EAGLE head" in str(info.value)
+            cuda_config.check_vllm_config(built, is_cuda=is_cuda)

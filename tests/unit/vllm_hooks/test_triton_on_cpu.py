@@ -101,3 +101,34 @@ def test_register_refuses_the_switch_without_the_interpreter():
                      **{triton_on_cpu.SWITCH: "1", "TRITON_INTERPRET": None})
     assert result.returncode != 0
     assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in result.stderr
+
+
+NGRAM_DRAFTS = """
+from h2o_vllm import plugin
+plugin.register()
+import torch
+from vllm.v1.worker.gpu.spec_decode.ngram.speculator import _ngram_finalize_kernel, _ngram_scan_kernel
+
+L, BLOCK_L, K = 64, 32, 3
+tokens = torch.zeros(2, L, dtype=torch.int32)
+tokens[0, :20] = torch.tensor([1, 2, 3, 4, 5] * 4)  # ends in ...2 3 4 5: the next three are 1 2 3
+tokens[1, :10] = torch.arange(10)  # no repeat: every draft is the last sampled token
+rows, lengths = torch.tensor([0, 1]), torch.tensor([20, 10], dtype=torch.int32)
+sampled, last = torch.ones(2, dtype=torch.int32), torch.tensor([5, 9])
+scratch, drafts = torch.zeros(2, L // BLOCK_L, dtype=torch.int64), torch.zeros(2, K, dtype=torch.int64)
+_ngram_scan_kernel[(2, L // BLOCK_L)](tokens, L, rows, lengths, sampled, scratch, scratch.stride(0),
+                                      L, 2, 4, 4, BLOCK_L)
+_ngram_finalize_kernel[(2,)](tokens, L, rows, lengths, sampled, last, scratch, scratch.stride(0),
+                             drafts, L, L // BLOCK_L, K, 4, 2)
+assert drafts.tolist() == [[1, 2, 3], [9, 9, 9]], drafts
+print("ok")
+"""
+
+
+def test_a_splatted_comparison_masks_loads_as_compiled_triton_does():
+    """The interpreter tags a comparison with its operands' type, so a splat of one made int32
+    data and a load masked by it failed ("mask has unsupported dtype"): V2's n-gram drafter
+    does that. Under the switch, its kernels draft what the n-gram lookup finds."""
+    env = {triton_on_cpu.SWITCH: "1", "TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    result = _python(NGRAM_DRAFTS, **env)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
