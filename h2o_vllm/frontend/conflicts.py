@@ -38,6 +38,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
         method = getattr(spec, "method", None)
         check_speculative(method, getattr(spec, "num_speculative_tokens", None), "--speculative-config")
         _check_mtp_layers(method, getattr(spec, "draft_model_config", None))
+        _check_device_ngram_runner(method, getattr(vllm_config, "use_v2_model_runner", False))
     kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer is not None:
         kv_transfer_config.check(kv_transfer, speculative=spec is not None, way_out=_OFF)
@@ -135,8 +136,10 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 #: Speculators H2O runs with (docs/semantics.md, "Speculative decoding"): n-gram drafts come
 #: from the token history and have no KV cache; a draft model's, an EAGLE head's and a model's
 #: own MTP layers keep their KV cache whole, in KV-cache groups of their own
-#: (``scheduler.spec.h2o_specs``). vLLM names MTP layers "mtp" or by family ("mimo_mtp", ...).
-SPECULATORS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+#: (``scheduler.spec.h2o_specs``). vLLM names MTP layers "mtp" or by family ("mimo_mtp", ...);
+#: "ngram_gpu" is the n-gram lookup run on the device (a worker-side drafter, so async
+#: scheduling stays on with it).
+SPECULATORS = ("ngram", "ngram_gpu", "draft_model", "eagle", "eagle3", "mtp")
 
 
 def _speculator(method: str | None) -> str | None:
@@ -162,6 +165,20 @@ def _check_mtp_layers(method: str | None, draft_model_config: Any) -> None:
             f"with H2O KV eviction: {_OWN_PROPOSER_MTP[model_type]}. Use n-gram drafts "
             "('{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'), drop "
             f"--speculative-config, {_OFF}")
+
+
+def _check_device_ngram_runner(method: str | None, v2: bool) -> None:
+    """Model Runner V1's ``ngram_gpu`` proposer allocates pinned host memory, which a CPU-only
+    torch cannot: vLLM's CPU engine, where H2O's CUDA path is tested, cannot build it, so H2O
+    with it is untested. V2 drafts ``ngram_gpu`` with its own kernel, tested."""
+    if method == "ngram_gpu" and not v2:
+        raise ValueError(
+            "n-gram drafts on the device ('ngram_gpu', --speculative-config) cannot be combined with "
+            "H2O KV eviction on vLLM's Model Runner V1 yet: V1's ngram_gpu proposer needs pinned host "
+            "memory, which vLLM's CPU engine (where H2O's CUDA path is tested) cannot allocate, so "
+            "that pairing is untested. Use Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, vLLM's CUDA "
+            "default), or '{\"method\": \"ngram\", ...}' (drafts from the host, exact on both runners), "
+            f"drop --speculative-config, {_OFF}")
 
 
 def _check_speculative_args(args: Any) -> None:

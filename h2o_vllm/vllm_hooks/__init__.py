@@ -154,7 +154,10 @@ block pool, preemption count).
   ``CpuPlatform.get_attn_backend_cls`` to honour ``CUSTOM`` and ``TRITON_ATTN``; wraps
   ``torch.cuda.get_device_capability`` to answer for a CPU device; wraps
   ``CpuPlatform.check_and_update_config`` to keep ``scheduler_config.async_scheduling`` as
-  vLLM resolved it (its default, or ``--[no-]async-scheduling``). Why: to run the CUDA path
+  vLLM resolved it (its default, or ``--[no-]async-scheduling``); wraps Triton's
+  ``InterpreterBuilder.create_splat`` to keep a splatted comparison boolean (the interpreter
+  tags comparisons with their operands' type, so masks built that way, as in vLLM's V2 n-gram
+  drafter, failed to load). Why: to run the CUDA path
   (``H2OTritonAttentionBackend``) inside vLLM's CPU engine with every Triton kernel
   interpreted, in CI without a GPU. Upstream: none (a test mode). Remove when vLLM's CPU
   build can run Triton attention itself.

@@ -455,16 +455,17 @@ def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", a
 
 
 @pytest.mark.parametrize("speculator, v2, scheduling", [
-    ("ngram", "0", "sync"), ("draft_model", "0", "sync"), ("ngram", "1", "sync")],
+    ("ngram", "0", "sync"), ("draft_model", "0", "sync"), ("ngram_gpu", "1", "async")],
     ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
 def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir, speculator, v2, scheduling):
     """``H2OTritonAttentionBackend``: the fused kernel attends a verification row without
     scoring it, and the accepted queries are scored at the row's next step
     (``worker/cuda/drafts.py``); a draft model's layers (the same four-layer model drafting
     for itself) run vLLM's Triton attention over their whole cache. Model Runner V2 drafts
-    n-grams on the device (a worker-side drafter, so under async scheduling its drafts are
-    unverified when the next step is planned). Without a GPU, inside vLLM's CPU engine under
-    the Triton interpreter; SmolLM2's first four layers copy the repeated passages."""
+    n-grams on the device (``ngram_gpu``, which vLLM runs under async scheduling: its drafts
+    are unverified when the next step is scheduled and planned). Without a GPU, inside vLLM's
+    CPU engine under the Triton interpreter; SmolLM2's first four layers copy the repeated
+    passages."""
     from transformers import AutoModelForCausalLM
 
     from h2o_vllm.oracle import H2OOracle
@@ -473,7 +474,7 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
                 for name, b in CUDA_PATH_BUDGETS.items()}
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    spec = NGRAM if speculator == "ngram" else {
+    spec = {**NGRAM, "method": speculator} if speculator.startswith("ngram") else {
         "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
     outputs, (drafts, accepted), evicted = in_fresh_process(
         _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec, v2, scheduling == "async",

@@ -219,11 +219,11 @@ TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
 TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM, **engine):
+def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM, blocks_per_group=48, **engine):
     # A pool of 48 blocks per KV-cache group: a draft model's (or EAGLE head's) one layer
     # beside the target's four makes five groups (four of them H2O's), which share the pool.
     groups = 1 if speculative_config["method"] == "ngram" else 5
-    return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=48 * groups,
+    return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=blocks_per_group * groups,
                        max_model_len=512, speculative_config=speculative_config,
                        additional_config={"h2o": TINY_H2O}, **engine)
 
@@ -237,7 +237,8 @@ def tiny_draft_dir(tmp_path_factory):
 
 #: The CUDA path (interpreted) with Model Runner V2 and async scheduling, vLLM's CUDA defaults:
 #: each step scheduled while the previous step's drafts are unverified.
-CUDA_V2_ASYNC = {"async_scheduling": True, "env": {SWITCH: "1", V2_ENV: "1"}}
+CUDA_ASYNC = {runner: {"async_scheduling": True, "env": {SWITCH: "1", V2_ENV: flag}}
+              for runner, flag in (("v1", "0"), ("v2", "1"))}
 
 
 @pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp"])
@@ -257,8 +258,9 @@ def tiny_speculator_of(tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
             return tiny_llama_dir, TINY_NGRAM, {}
         if name.startswith("mtp"):
             target = drafters.build_mtp_target(tmp_path_factory.mktemp("tiny-mimo"), num_layers=4)
+            # "mtp-cuda-v1-async": the CUDA path with that runner, scheduling a step ahead.
             return (target, {"method": "mtp", "num_speculative_tokens": DRAFTS},
-                    CUDA_V2_ASYNC if name.endswith("async") else {})
+                    CUDA_ASYNC[name.split("-")[2]] if name.endswith("async") else {})
         if name == "eagle":
             head = drafters.build_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny-eagle"))
             return tiny_llama_dir, {"method": "eagle", "model": str(head), "num_speculative_tokens": DRAFTS}, {}
@@ -267,34 +269,55 @@ def tiny_speculator_of(tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
     return make
 
 
-def _preempted_run(model_dir, speculative_config, engine):
+#: (prompt lengths before the threefold repeat, tokens generated, H2O budget, blocks per
+#: KV-cache group) that overflow the pool. "short" preempts within a few dozen steps, for the
+#: interpreted CUDA path (~1 s a step).
+PREEMPTING = {
+    "long": ([50] * 8, 100, {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}, 48),
+    "short": ([16] * 4, 40, {"h2o_heavy_tokens": 24, "h2o_recent_tokens": 24, "h2o_interval": 16}, 14),
+}
+
+
+def _preempted_run(model_dir, speculative_config, engine, size="long"):
     """In a fresh process: the admission headroom off (the process is this test's alone), so
     the pool overflows and vLLM preempts."""
-    with _tiny_ngram(model_dir, speculative_config, **engine) as llm:
+    lengths, max_tokens, budget, blocks = PREEMPTING[size]
+    with _tiny_ngram(model_dir, speculative_config, blocks_per_group=blocks, **engine) as llm:
         from h2o_vllm.scheduler.manager import H2OManager  # once the plugin has loaded
         H2OManager.admission_headroom = lambda self, *args: 0
         scheduler = scheduler_of(llm)
         free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         preempted = []
-        budget = {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}
-        prompts = [p * 3 for p in random_prompts([50] * 8, seed=3)]  # repeats: the lookup drafts
+        prompts = [p * 3 for p in random_prompts(lengths, seed=3)]  # repeats: the lookup drafts
 
         def on_step():
             check_block_lists(llm, TINY_H2O, 16, DRAFTS)
             preempted.extend(r.request_id for r in scheduler.running if r.num_preemptions)
 
-        outputs = run_steps(llm, prompts, greedy(100, extra_args=budget), on_step=on_step)
+        outputs = run_steps(llm, prompts, greedy(max_tokens, extra_args=budget), on_step=on_step)
         return (preempted, outputs, free_before,
                 scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def _check_preempted_run(speculator, size):
+    preempted, outputs, free_before, free_after = in_fresh_process(
+        _preempted_run, *speculator, size, env=speculator[2].get("env"))
+    lengths, max_tokens = PREEMPTING[size][:2]
+    assert preempted, "the pool was large enough: no preemption happened"
+    assert len(outputs) == len(lengths) and all(len(o) == max_tokens for o in outputs.values())
+    assert free_after == free_before
 
 
 def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    preempted, outputs, free_before, free_after = in_fresh_process(_preempted_run, *tiny_speculator)
-    assert preempted, "the pool was large enough: no preemption happened"
-    assert len(outputs) == 8 and all(len(o) == 100 for o in outputs.values())
-    assert free_after == free_before
+    _check_preempted_run(tiny_speculator, "long")
+
+
+def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of):
+    """The same under async scheduling (the CUDA path, V1): a request can be preempted while
+    its drafts are unverified, and resumed requests are planned on verified counts again."""
+    _check_preempted_run(tiny_speculator_of("mtp-cuda-v1-async"), "short")
 
 
 def _aborted_run(model_dir, speculative_config, engine):

@@ -188,6 +188,22 @@ def test_mtp_layers_drafting_through_a_proposer_of_their_own_are_refused(model_t
     assert '"method": "ngram"' in message and "turn H2O KV eviction off" in message
 
 
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_device_ngram_drafts_run_on_model_runner_v2_and_are_refused_on_v1(v2):
+    """V1's ngram_gpu proposer cannot be built on a CPU-only torch (pinned memory), so H2O with
+    it is untested; V2 drafts with a kernel of its own, engine-tested
+    (``test_cuda.py::test_speculative_h2o_on_the_cuda_path_equals_the_oracle[ngram_gpu-v2-async]``)."""
+    spec = SimpleNamespace(method="ngram_gpu", num_speculative_tokens=3, draft_model_config=None)
+    config = _vllm_config(speculative_config=spec, use_v2_model_runner=v2)
+    if v2:
+        conflicts.check_vllm_config(config, H2O)
+        return
+    message = _refusal(conflicts.check_vllm_config, config, H2O)
+    assert "'ngram_gpu'" in message and "Model Runner V1" in message and "pinned host memory" in message
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in message and '"method": "ngram"' in message
+    assert "turn H2O KV eviction off" in message
+
+
 def test_async_scheduling_passes():
     """H2O's scheduler cuts each step's compaction when it schedules the step."""
     conflicts.check_vllm_config(_vllm_config(scheduler_config=SimpleNamespace(async_scheduling=True)), H2O)

@@ -108,6 +108,7 @@ SIGNATURES = {
         ["selected_backend", "attn_selector_config", "num_heads"],
     "torch.cuda:get_device_capability": ["device"],
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config": ["vllm_config"],
+    "triton.runtime.interpreter:InterpreterBuilder.create_splat": ["self", "ret_ty", "arg"],
 }
 
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
@@ -614,7 +615,8 @@ def test_a_draft_model_gets_its_own_groups_metadata_from_the_v1_hook():
 
 TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
                       "torch.cuda:get_device_capability",
-                      "vllm.platforms.cpu:CpuPlatform.check_and_update_config"}
+                      "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+                      "triton.runtime.interpreter:InterpreterBuilder.create_splat"}
 
 
 def _func(obj):
@@ -811,6 +813,20 @@ def test_cpu_platform_turns_async_scheduling_off_after_vllm_resolved_it():
     source = inspect.getsource(VllmConfig.__post_init__)
     assert (source.index("self.scheduler_config.async_scheduling = True")
             < source.index("current_platform.check_and_update_config(self)"))
+
+
+def test_the_interpreter_tags_a_comparison_with_its_operands_type():
+    """Why ``_keep_splat_boolean`` exists: when Triton's interpreter tags a comparison as int1,
+    a splat keeps it boolean by itself and the wrapper can go."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+    builder = InterpreterBuilder()
+    five = TensorHandle(np.array([5], dtype=np.int32), tl.int32)
+    compared = builder.create_icmpSGT(five, TensorHandle(np.array([0], dtype=np.int32), tl.int32))
+    assert compared.data.dtype == np.bool_ and compared.dtype == tl.int32, "the interpreter changed"
+    splat = inspect.unwrap(InterpreterBuilder.create_splat)(builder, tl.block_type(tl.int1, [4]), compared)
+    assert splat.data.dtype == np.int32, "a splat now keeps a comparison boolean: drop the wrapper"
 
 
 def test_cpu_platform_selector_is_a_classmethod():
