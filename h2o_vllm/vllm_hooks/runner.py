@@ -117,7 +117,10 @@ def _get_kv_cache_spec_wrapper(original):
 
 
 def drafter_layer_names(runner) -> frozenset[str]:
-    """The attention layers of the runner's speculative drafter (a draft model's, EAGLE's;
-    none for n-gram), known once vLLM has loaded the drafter, before it asks for the specs."""
-    drafter = getattr(runner, "drafter", None)
-    return frozenset(getattr(drafter, "_draft_attn_layer_names", None) or ())
+    """The attention layers of the runner's speculative drafter (a draft model's, EAGLE's, MTP
+    layers'; none for n-gram), known once vLLM has loaded the drafter, before it asks for the
+    specs: V1's ``drafter._draft_attn_layer_names``, V2's ``speculator.draft_attn_layer_names``."""
+    names = getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", None)
+    if names is None:
+        names = getattr(getattr(runner, "speculator", None), "draft_attn_layer_names", None)
+    return frozenset(names or ())

@@ -451,7 +451,13 @@ def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", a
         outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
                             on_step=lambda: evicted.extend(
                                 check_block_lists(llm, {}, 16, speculative_config["num_speculative_tokens"])))
-        return outputs, spec_decode_counts(llm), max(evicted)
+        return outputs, spec_decode_counts(llm), max(evicted), _whole_groups(llm)
+
+
+def _whole_groups(llm) -> int:
+    """KV-cache groups H2O leaves whole: on these full-attention targets, a drafter's own."""
+    from h2o_vllm.scheduler.spec import is_h2o_spec
+    return sum(not is_h2o_spec(g.kv_cache_spec) for g in scheduler_of(llm).kv_cache_config.kv_cache_groups)
 
 
 @pytest.mark.parametrize("speculator, v2, scheduling", [
@@ -476,10 +482,11 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
     spec = {**NGRAM, "method": speculator} if speculator.startswith("ngram") else {
         "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
-    outputs, (drafts, accepted), evicted = in_fresh_process(
+    outputs, (drafts, accepted), evicted, whole = in_fresh_process(
         _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec, v2, scheduling == "async",
         env={**DEVICE.get("env", {}), V2_ENV: v2})
     assert 0 < accepted < drafts and evicted > 0
+    assert (whole == 0) == speculator.startswith("ngram"), "a draft model's layers keep their KV cache whole"
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):
         assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
@@ -506,10 +513,11 @@ def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, meth
     expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
                 for name, b in CUDA_PATH_BUDGETS.items()}
     full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    outputs, (drafts, accepted), evicted = in_fresh_process(
+    outputs, (drafts, accepted), evicted, whole = in_fresh_process(
         _cuda_path_speculative_run, target, prompts, spec, v2, scheduling == "async",
         env={**DEVICE.get("env", {}), V2_ENV: v2})
     assert 0 < accepted < drafts and evicted > 0
+    assert whole >= 1, "the drafter's layer keeps its KV cache whole, in a group of its own"
     n = len(prompts)
     for i, name in enumerate(CUDA_PATH_BUDGETS):
         assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name

@@ -219,12 +219,12 @@ TINY_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
 TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM, blocks_per_group=48, **engine):
+def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM, blocks_per_group=48, max_model_len=512, **engine):
     # A pool of 48 blocks per KV-cache group: a draft model's (or EAGLE head's) one layer
     # beside the target's four makes five groups (four of them H2O's), which share the pool.
     groups = 1 if speculative_config["method"] == "ngram" else 5
     return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=blocks_per_group * groups,
-                       max_model_len=512, speculative_config=speculative_config,
+                       max_model_len=max_model_len, speculative_config=speculative_config,
                        additional_config={"h2o": TINY_H2O}, **engine)
 
 
@@ -270,40 +270,47 @@ def tiny_speculator_of(tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
 
 
 #: (prompt lengths before the threefold repeat, tokens generated, H2O budget, blocks per
-#: KV-cache group) that overflow the pool. "short" preempts within a few dozen steps, for the
-#: interpreted CUDA path (~1 s a step).
+#: KV-cache group, max_model_len) that overflow the pool. "short" preempts within a few dozen
+#: steps, for the interpreted CUDA path.
 PREEMPTING = {
-    "long": ([50] * 8, 100, {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}, 48),
-    "short": ([16] * 4, 40, {"h2o_heavy_tokens": 24, "h2o_recent_tokens": 24, "h2o_interval": 16}, 14),
+    "long": ([50] * 8, 100, {"h2o_heavy_tokens": 96, "h2o_recent_tokens": 96, "h2o_interval": 64}, 48, 512),
+    "short": ([16] * 4, 40, {"h2o_heavy_tokens": 24, "h2o_recent_tokens": 24, "h2o_interval": 16}, 14, 128),
 }
 
 
 def _preempted_run(model_dir, speculative_config, engine, size="long"):
     """In a fresh process: the admission headroom off (the process is this test's alone), so
     the pool overflows and vLLM preempts."""
-    lengths, max_tokens, budget, blocks = PREEMPTING[size]
-    with _tiny_ngram(model_dir, speculative_config, blocks_per_group=blocks, **engine) as llm:
+    lengths, max_tokens, budget, blocks, max_model_len = PREEMPTING[size]
+    with _tiny_ngram(model_dir, speculative_config, blocks, max_model_len, **engine) as llm:
         from h2o_vllm.scheduler.manager import H2OManager  # once the plugin has loaded
         H2OManager.admission_headroom = lambda self, *args: 0
         scheduler = scheduler_of(llm)
         free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        preempted = []
+        # Each preemption, with the output placeholders its request held at the step before
+        # (more than one: drafts in flight).
+        preempted, placeholders, preemptions = [], {}, {}
         prompts = [p * 3 for p in random_prompts(lengths, seed=3)]  # repeats: the lookup drafts
 
         def on_step():
             check_block_lists(llm, TINY_H2O, 16, DRAFTS)
-            preempted.extend(r.request_id for r in scheduler.running if r.num_preemptions)
+            for r in list(scheduler.running) + list(scheduler.waiting):
+                if r.num_preemptions > preemptions.get(r.request_id, 0):
+                    preempted.append(placeholders.get(r.request_id, 0))
+                preemptions[r.request_id] = r.num_preemptions
+            placeholders.update((r.request_id, r.num_output_placeholders) for r in scheduler.running)
 
         outputs = run_steps(llm, prompts, greedy(max_tokens, extra_args=budget), on_step=on_step)
         return (preempted, outputs, free_before,
                 scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
-def _check_preempted_run(speculator, size):
+def _check_preempted_run(speculator, size, drafts_in_flight=False):
     preempted, outputs, free_before, free_after = in_fresh_process(
         _preempted_run, *speculator, size, env=speculator[2].get("env"))
     lengths, max_tokens = PREEMPTING[size][:2]
     assert preempted, "the pool was large enough: no preemption happened"
+    assert not drafts_in_flight or max(preempted) > 1, f"no preemption with drafts in flight: {preempted}"
     assert len(outputs) == len(lengths) and all(len(o) == max_tokens for o in outputs.values())
     assert free_after == free_before
 
@@ -314,10 +321,11 @@ def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator
     _check_preempted_run(tiny_speculator, "long")
 
 
-def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of):
-    """The same under async scheduling (the CUDA path, V1): a request can be preempted while
-    its drafts are unverified, and resumed requests are planned on verified counts again."""
-    _check_preempted_run(tiny_speculator_of("mtp-cuda-v1-async"), "short")
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of, runner):
+    """The same under async scheduling, on the CUDA path: a request can be preempted while its
+    drafts are unverified, and a resumed request is planned on verified counts again."""
+    _check_preempted_run(tiny_speculator_of(f"mtp-cuda-{runner}-async"), "short", drafts_in_flight=True)
 
 
 def _aborted_run(model_dir, speculative_config, engine):

@@ -38,6 +38,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -587,6 +588,28 @@ def test_async_drafts_are_counted_where_the_hooks_read_them():
     assert "speculator" in _assigned(RunnerV2)
     post = inspect.getsource(RunnerV2.postprocess_sampled)
     assert "self.req_states.num_computed_tokens.gpu" in post and "num_rejected" in post
+
+
+def test_v2_speculators_name_their_layers_before_the_kv_cache_specs_are_asked_for():
+    """``runner.drafter_layer_names`` on Model Runner V2: the speculator records its layers'
+    names when it loads (the runner loads it with the model, before ``get_kv_cache_spec``); a
+    V2 runner has no ``drafter``. Without them a drafter's layers would get H2O's spec and share
+    the target's KV-cache group, compacted with it."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+    from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
+
+    from h2o_vllm.vllm_hooks.runner import drafter_layer_names
+    assert "self.draft_attn_layer_names = " in inspect.getsource(DraftModelSpeculator.load_model)
+    assert all(issubclass(c, DraftModelSpeculator) for c in (EagleSpeculator, MTPSpeculator, StandaloneARSpeculator))
+    load = inspect.getsource(RunnerV2.load_model)
+    assert "self.speculator.load_model(" in load and "self.drafter" not in load
+    v2 = SimpleNamespace(speculator=SimpleNamespace(draft_attn_layer_names={"model.layers.1.attn"}))
+    v1 = SimpleNamespace(drafter=SimpleNamespace(_draft_attn_layer_names={"model.layers.2.attn"}))
+    assert drafter_layer_names(v2) == {"model.layers.1.attn"} and drafter_layer_names(v1) == {"model.layers.2.attn"}
+    assert drafter_layer_names(SimpleNamespace(speculator=None)) == frozenset()
 
 
 def test_a_draft_model_gets_its_own_groups_metadata_from_the_v1_hook():
