@@ -494,7 +494,7 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
 
 
 @pytest.mark.parametrize("method, v2, scheduling", [
-    ("eagle", "0", "sync"), ("eagle", "1", "async"), ("draft_model", "1", "async"), ("eagle3", "0", "async"),
+    ("eagle", "0", "sync"), ("eagle3", "1", "async"), ("draft_model", "1", "async"), ("eagle3", "0", "async"),
     ("mtp", "0", "async"), ("mtp", "1", "async"), ("mtp", "1", "sync")],
     ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
 def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, method, v2, scheduling):
