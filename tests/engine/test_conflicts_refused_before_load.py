@@ -28,6 +28,9 @@ def _refused(model_dir, **kwargs) -> str:
 @pytest.mark.parametrize("kwargs, words", [
     ({"speculative_config": {"method": "medusa", "model": "unused", "num_speculative_tokens": 2}},
      "--speculative-config"),
+    # Refused on the built config: this CPU engine runs Model Runner V1.
+    ({"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 3, "prompt_lookup_max": 4}},
+     "'ngram_gpu'"),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}},
      "--kv-transfer-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
