@@ -323,8 +323,8 @@ def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of, runner):
-    """The same under async scheduling, on the CUDA path: a request can be preempted while its
-    drafts are unverified, and a resumed request is planned on verified counts again."""
+    """The same under async scheduling, on the CUDA path: requests are preempted while their
+    drafts are unverified (asserted), and the block lists still agree after every step."""
     _check_preempted_run(tiny_speculator_of(f"mtp-cuda-{runner}-async"), "short", drafts_in_flight=True)
 
 
