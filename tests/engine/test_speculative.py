@@ -220,8 +220,9 @@ TINY_NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_looku
 
 
 def _tiny_ngram(model_dir, speculative_config=TINY_NGRAM, blocks_per_group=48, max_model_len=512, **engine):
-    # A pool of 48 blocks per KV-cache group: a draft model's (or EAGLE head's) one layer
-    # beside the target's four makes five groups (four of them H2O's), which share the pool.
+    # A pool of `blocks_per_group` blocks per KV-cache group: a draft model's (or EAGLE head's,
+    # or MTP) one layer beside the target's four makes five groups (four of them H2O's, on
+    # either model runner), which share the pool.
     groups = 1 if speculative_config["method"] == "ngram" else 5
     return vllm_engine(model_dir, in_process=True, block_size=16, num_gpu_blocks_override=blocks_per_group * groups,
                        max_model_len=max_model_len, speculative_config=speculative_config,
