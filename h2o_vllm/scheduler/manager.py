@@ -198,6 +198,20 @@ class H2OManager(FullAttentionManager):
                 self.step_fresh.add(request_id)
         return new
 
+    def step_shortened(self, request_id: str, num_tokens: int) -> None:
+        """The step just allocated for ends at ``num_tokens`` logical tokens after all
+        (``events.drop_padding``): fresh blocks sized for the longer step are sized anew, and
+        what that leaves over goes back to the pool."""
+        if request_id not in self.step_fresh:
+            return
+        fresh = self.fresh.pop(request_id)
+        count = self._fresh_count(request_id, num_tokens)
+        if count:
+            self.fresh[request_id] = fresh[:count]
+        else:
+            self.step_fresh.discard(request_id)
+        self.block_pool.free_blocks(fresh[count:])
+
     def _prefill_peak(self, request_id: str, num_tokens: int) -> int:
         prompt_len = self.prompt_lens.get(request_id)
         if prompt_len is None:

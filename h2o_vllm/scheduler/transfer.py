@@ -187,6 +187,8 @@ class TransferScheduler:
         orders = TransferOrders(loads=self.loads)
         self.loads = []
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
+            # Drafts are no prompt tokens (nor is vLLM's padding of a one-token step).
+            num_new -= len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
             request = requests[rid]
             prompt_len = manager.prompt_len_of(request)
             if prompt_len != request.num_prompt_tokens:

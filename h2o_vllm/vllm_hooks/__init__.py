@@ -61,6 +61,15 @@ block pool, preemption count).
   (``long_prefill_token_threshold`` is engine-wide and not aligned to positions); the
   cadence checks chunk ends, which must not depend on the batch. Upstream: a per-request
   prefill chunk limit in the scheduler. Remove when vLLM has one.
+- ``install_scheduler_hook`` also wraps ``Scheduler._update_after_schedule``, the end of
+  ``schedule`` (the step's output built, its tokens not yet counted as computed): under
+  speculative decoding vLLM pads a request admitted with one token left (a prefix-cache hit
+  or a KV-connector load up to its last token) with dummy drafts, always rejected, and
+  asserts the padded row whole, so ``limit_step`` leaves it; where a compaction would fall
+  among the dummies the hook takes them off (``scheduler.events.drop_padding``) and the row
+  runs its one token alone, as vLLM runs a row it does not pad. Why: a step with drafts must
+  not compact (docs/semantics.md, "Speculative decoding"). Upstream: padding a row only where
+  the scheduler's step limit leaves room. Remove when vLLM pads no admitted row, or asks.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
   (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
   ``scheduler.events.admission_watermark`` for that one call. Why: H2O sequences have a known, small

@@ -21,6 +21,7 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.schedule", _schedule_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler._reserve_prefill_lookahead",
           _reserve_prefill_lookahead_wrapper)
+    _wrap("vllm.v1.core.sched.scheduler:Scheduler._update_after_schedule", _update_after_schedule_wrapper)
     _wrap("vllm.v1.core.sched.scheduler:Scheduler.update_from_output", _update_from_output_wrapper)
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", _allocate_slots_wrapper)
     _wrap("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks",
@@ -86,6 +87,16 @@ def _reserve_prefill_lookahead_wrapper(original):
         return events.limit_step(_h2o_managers(self.kv_cache_manager), request,
                                        num_computed_tokens, num_new_tokens)
     return _reserve_prefill_lookahead
+
+
+def _update_after_schedule_wrapper(original):
+    """The step's output is built, its tokens not yet counted as computed (the async
+    scheduler's override calls this first): H2O takes vLLM's padding off rows it would cut."""
+    def _update_after_schedule(self, scheduler_output):
+        if _h2o_of(self) is not None:
+            events.drop_padding(_h2o_managers(self.kv_cache_manager), scheduler_output, self.requests)
+        return original(self, scheduler_output)
+    return _update_after_schedule
 
 
 def _update_from_output_wrapper(original):

@@ -45,8 +45,13 @@ BUDGETS = {
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    """Passages of the GPL-3 repeated once and a half: the model copies, n-gram guesses."""
-    return repeated_passages(smollm2_dir, ((60, 2), (100, 2), (40, 4)))
+    """Passages of the GPL-3 repeated once and a half: the model copies, n-gram guesses. The
+    second is cut to one token past a block (161 = 5 x 32 + 1): when it hits the prefix cache,
+    one token is left to compute, and vLLM pads that row with dummy drafts (the step compacts:
+    ``scheduler.events.drop_padding`` takes them off)."""
+    first, second, third = repeated_passages(smollm2_dir, ((60, 2), (100, 2), (40, 4)))
+    assert len(second) > 5 * BLOCK + 1
+    return [first, second[:5 * BLOCK + 1], third]
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +88,26 @@ def draft_model_rounds(smollm2_dir, prompts, oracle_outputs):
     return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, draft)
 
 
-def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS):
+def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None):
     """{budget: outputs} of every budget at once (per-request budgets), block lists checked
-    after every step; (drafts, accepted) of the run; the pool drains."""
+    after every step; (drafts, accepted) of the run; the pool drains. With ``firsts`` ({budget:
+    each prompt's first token}) each request continues its prompt from that token, as a KV
+    transfer's decoder does, and its outputs start with it."""
     scheduler = scheduler_of(llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     drafts_before, accepted_before = spec_decode_counts(llm)
-    params = [greedy(max_tokens, extra_args=extra_args(b)) for b in budgets.values() for _ in prompts]
+    firsts = firsts or {name: [[]] * len(prompts) for name in budgets}
+    requests = [(p + first, greedy(max_tokens - len(first), extra_args=extra_args(b)))
+                for name, b in budgets.items() for p, first in zip(prompts, firsts[name])]
     evicted = []
-    outputs = run_steps(llm, prompts * len(budgets), params,
+    outputs = run_steps(llm, [p for p, _ in requests], [params for _, params in requests],
                         on_step=lambda: evicted.extend(check_block_lists(llm, {}, block, DRAFTS)))
     assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     drafts, accepted = spec_decode_counts(llm)
     n = len(prompts)
-    by_budget = {name: [outputs[str(i * n + j)] for j in range(n)] for i, name in enumerate(budgets)}
+    by_budget = {name: [firsts[name][j] + outputs[str(i * n + j)] for j in range(n)]
+                 for i, name in enumerate(budgets)}
     return by_budget, drafts - drafts_before, accepted - accepted_before
 
 
@@ -130,6 +140,35 @@ def test_draft_model_h2o_equals_the_dense_oracle_with_drafts_accepted(draft_mode
         assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
         for name in BUDGETS:
             assert outputs[name] == oracle_outputs[name], f"{name}: H2O with a draft model left the oracle"
+
+
+def _transferred_matrix(model_dir, prompts, store):
+    """Disaggregated prefill and decode through one engine in both KV-transfer roles
+    (``kv_both``, as NIXL deployments run each side), drafting with n-gram lookup: the matrix
+    prefilled for its first token (each compacted prompt saved), then continued from the
+    saved states, as vLLM's P/D examples run a decoder. Prefix caching off, so that every
+    continuation loads. Returns the continuation's matrix and the states loaded."""
+    kv_transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=NGRAM, disable_log_stats=False,
+                     enable_prefix_caching=False, kv_transfer_config=kv_transfer, additional_config={"h2o": {}}) as llm:
+        produced, _, _ = _run_matrix(llm, prompts, max_tokens=1)
+        continued = _run_matrix(llm, prompts, firsts=produced)
+        return continued, scheduler_of(llm).connector.transfer.num_loaded
+
+
+def test_ngram_h2o_decoding_transferred_prompts_equals_the_dense_oracle(smollm2_dir, prompts, oracle_outputs,
+                                                                      tmp_path):
+    """Speculation beside a KV connector: n-gram drafts need no KV of their own, so the H2O
+    state the connector carries is all a decoder drafting with them needs. Every continuation
+    loads its prompt's compacted state and equals the oracle over the budget matrix, with
+    drafts accepted and rejected (vLLM's counters)."""
+    (outputs, drafts, accepted), loaded = in_fresh_process(_transferred_matrix, smollm2_dir, prompts, tmp_path)
+    print(f"n-gram with H2O after a KV transfer: {accepted}/{drafts} draft tokens accepted")
+    assert loaded == len(prompts) * len(BUDGETS)
+    assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
+    for name in BUDGETS:
+        assert outputs[name] == oracle_outputs[name], f"{name}: decoding a transferred prompt with n-gram drafts"
 
 
 SMALL_DRAFTER_BUDGETS = {name: BUDGETS[name] for name in ("tokens-16+16-interval8", "chunk-64-tokens-16+16-interval8")}

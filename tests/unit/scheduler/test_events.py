@@ -153,7 +153,7 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
     config = {"h2o_heavy_tokens": heavy, "h2o_recent_tokens": recent, "h2o_interval": interval}
     (m,) = _managers(H2OConfig())
     request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt_len, sampling_params=None,
-                              num_tokens=0, num_output_placeholders=0)
+                              num_tokens=0, num_output_placeholders=0, spec_token_ids=[-1] * drafts)
     budget = m.budgets.resolve("r", prompt_len, config)
     computed, in_flight, end, compactions, waited = prompt_len, 0, prompt_len + 60, [], False
     while computed < end:
@@ -177,3 +177,50 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
         in_flight = tokens
     assert compactions == [n for n in range(prompt_len + 1, computed + in_flight + 1)  # plain decoding's
                            if kv_len_after(n, prompt_len, budget) < kv_len_after(n - 1, prompt_len, budget) + 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_len=st.integers(1, 80), heavy=st.integers(1, 10), recent=st.integers(1, 10),
+       interval=st.integers(1, 12), drafts=st.integers(1, 4), past=st.integers(0, 40))
+def test_a_padded_row_keeps_its_dummy_drafts_only_where_no_compaction_falls_among_them(
+        prompt_len, heavy, recent, interval, drafts, past):
+    """vLLM pads a request admitted with one token left (a prefix-cache hit or a KV-connector
+    load up to its last token) to ``1 + k`` rows, ``k`` dummy drafts it always rejects, and
+    asserts the row whole: ``limit_step`` leaves it so. ``drop_padding`` then takes the dummies
+    off wherever the step would compact before its end (as plain decoding would: the row runs
+    its one token alone) and leaves it padded where it would not, so a step with drafts
+    never compacts."""
+    config = {"h2o_heavy_tokens": heavy, "h2o_recent_tokens": recent, "h2o_interval": interval}
+    (m,) = _managers(H2OConfig())
+    request = _request("r", prompt_len, extra_args=config)
+    for token in range(past):
+        request.append_output_token_ids(token)
+    step.add_request([m], request)
+    budget = m.budgets.resolve("r", prompt_len)
+    computed = request.num_tokens - 1  # all but the last token: a hit or a load
+    request.num_computed_tokens = computed
+    assert step.limit_step([m], request, computed, 1 + drafts) == 1 + drafts
+    output = SimpleNamespace(num_scheduled_tokens={"r": 1 + drafts, "other": 5},
+                             scheduled_spec_decode_tokens={"r": [-1] * drafts}, total_num_scheduled_tokens=6 + drafts)
+    step.drop_padding([m], output, {"r": request})
+    padded = "r" in output.scheduled_spec_decode_tokens
+    tokens = output.num_scheduled_tokens["r"]
+    assert tokens == (1 + drafts if padded else 1) and output.total_num_scheduled_tokens == 5 + tokens
+    assert padded == (not any(step_compacts(computed, n, prompt_len, budget) for n in range(1, 2 + drafts)))
+    assert output.num_scheduled_tokens["other"] == 5
+
+
+def test_drop_padding_leaves_a_running_requests_own_drafts_alone():
+    """A running request's drafts are its own (``spec_token_ids``): ``limit_step`` has cut them
+    where they would reach a compaction, and ``drop_padding`` does not touch them."""
+    (m,) = _managers(H2OConfig(heavy_tokens=4, recent_tokens=4, interval=4))
+    request = _request("r", 20)
+    step.add_request([m], request)
+    request.append_output_token_ids(7)
+    request.num_computed_tokens, request.spec_token_ids = 20, [1, 2, 3]
+    tokens = step.limit_step([m], request, 20, 4)
+    assert tokens < 4  # the compaction at 24 is the fourth token's: cut before it
+    output = SimpleNamespace(num_scheduled_tokens={"r": tokens}, total_num_scheduled_tokens=tokens,
+                             scheduled_spec_decode_tokens={"r": [1, 2, 3][:tokens - 1]})
+    step.drop_padding([m], output, {"r": request})
+    assert output.num_scheduled_tokens == {"r": tokens} and output.scheduled_spec_decode_tokens["r"] == [1, 2, 3][:tokens - 1]

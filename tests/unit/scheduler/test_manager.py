@@ -211,7 +211,7 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
     assert m.get_num_blocks_to_allocate("r", 400, [], 0, 0, 400) == 25  # what it asks uncapped
     during, computed = [], 0
     while computed < 400:
-        num_new = step.limit_step([m], request, computed, 40)  # vLLM offers 40 tokens
+        num_new = step.limit_step([m], request, computed, min(40, 400 - computed))  # vLLM offers 40
         assert num_new == min(32 - computed % 32, 400 - computed)     # never past a chunk's end
         _grow(m, "r", computed + num_new)
         during.append(len(m.req_to_blocks["r"]))                      # while the step runs

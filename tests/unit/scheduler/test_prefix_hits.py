@@ -300,6 +300,25 @@ def test_pop_blocks_for_free_returns_unused_fresh_blocks():
     assert e.pool.get_num_free_blocks() == capacity and not e.m.fresh
 
 
+def test_a_step_shortened_after_allocation_keeps_the_fresh_blocks_its_compaction_needs():
+    """vLLM padded a one-token step with 3 dummy drafts and allocated for all 4; H2O then takes
+    the padding off (``events.drop_padding``): fresh blocks sized for 23 tokens (kv_len 11, 3
+    blocks) become what the step that ends at 20 needs (kv_len 8, 2 blocks), or none when the
+    shorter step does not compact; the rest go back to the pool."""
+    for end, kept in ((20, 2), (19, 0)):
+        e = Engine()
+        capacity = e.pool.get_num_free_blocks()
+        e.add(_request("r", PROMPT))
+        e.m.allocate_new_blocks("r", 23, 23)
+        assert len(e.m.fresh["r"]) == cdiv(kv_len_after(23, 20, ENGINE.budget(20, BLOCK)), BLOCK) == 3
+        held = len(e.m.req_to_blocks["r"])
+        e.m.step_shortened("r", end)
+        assert len(e.m.fresh.get("r", ())) == kept and ("r" in e.m.step_fresh) == bool(kept)
+        assert e.pool.get_num_free_blocks() == capacity - held - kept
+        e.m.step_shortened("r", end)  # once is all: nothing more to give back
+        assert e.pool.get_num_free_blocks() == capacity - held - kept
+
+
 def test_no_leak_across_hits_compactions_and_frees():
     e = Engine()
     capacity = e.pool.get_num_free_blocks()

@@ -67,7 +67,7 @@ def test_a_committed_prompt_plus_its_first_token_continues_the_producers_request
     blocks = [b.block_id for b in manager.req_to_blocks["c"]]
     assert len(new) == 1 and len(blocks) == 2
     transfer.allocated(consumer, blocks, 40)
-    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={"c": 1}), {"c": consumer}, manager)
+    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={"c": 1}, scheduled_spec_decode_tokens={}), {"c": consumer}, manager)
     (load,) = orders.loads
     assert load.block_ids == tuple(blocks[:1]) and load.kv_len == 16
     assert orders.prompt_lens == {"c": 40} and not orders.saves
@@ -102,11 +102,11 @@ def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(t
     producer = _request("p", PROMPT)
     events.add_request([manager], producer, transfer.prompt_len(producer))
     manager.allocate_new_blocks("p", 32, 32)
-    step = SimpleNamespace(num_scheduled_tokens={"p": 32})
+    step = SimpleNamespace(num_scheduled_tokens={"p": 32}, scheduled_spec_decode_tokens={})
     assert not transfer.orders(step, {"p": producer}, manager).saves  # mid-prompt
     producer.num_computed_tokens = 32
     manager.allocate_new_blocks("p", 40, 40)
-    step = SimpleNamespace(num_scheduled_tokens={"p": 8})
+    step = SimpleNamespace(num_scheduled_tokens={"p": 8}, scheduled_spec_decode_tokens={})
     (save,) = transfer.orders(step, {"p": producer}, manager).saves
     key = state_key(PROMPT, BUDGET, BLOCK)
     assert save.key == key and save.kv_len == 16 and len(save.block_ids) == 1
@@ -117,6 +117,19 @@ def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(t
     params = transfer.finished(producer)
     assert params == {"h2o_kv_key": key, "h2o_kv_tokens": 16, "h2o_prompt_tokens": 40, "h2o_first_token": 9}
     assert KVStore(tmp_path).committed(key) == StoredPrompt(40, 9, 16, 1)
+
+
+def test_the_producer_saves_when_vllm_pads_its_prompts_last_step_with_dummy_drafts(tmp_path):
+    """A prompt in the producer's prefix cache up to its last token: under speculative
+    decoding vLLM pads that one-token step with dummy drafts, which are no prompt tokens."""
+    transfer, manager = _transfer(tmp_path, produces=True, consumes=False), _manager()
+    producer = _request("p", PROMPT)
+    events.add_request([manager], producer, transfer.prompt_len(producer))
+    manager.allocate_new_blocks("p", 43, 43)
+    producer.num_computed_tokens = 39
+    step = SimpleNamespace(num_scheduled_tokens={"p": 4}, scheduled_spec_decode_tokens={"p": [-1] * 3})
+    (save,) = transfer.orders(step, {"p": producer}, manager).saves
+    assert save.key == state_key(PROMPT, BUDGET, BLOCK) and save.kv_len == 16
 
 
 def test_a_consumer_computing_its_prompt_stops_a_step_at_h2os_prompt_end(tmp_path):

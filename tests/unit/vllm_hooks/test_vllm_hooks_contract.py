@@ -83,6 +83,7 @@ SIGNATURES = {
     f"{_SCHEDULER}.schedule": ["self", "throttle_prefills"],
     f"{_SCHEDULER}._reserve_prefill_lookahead": ["self", "request", "num_computed_tokens", "num_new_tokens"],
     f"{_SCHEDULER}.update_from_output": ["self", "scheduler_output", "model_runner_output"],
+    f"{_SCHEDULER}._update_after_schedule": ["self", "scheduler_output"],
     "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots": [
         "self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
         "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
@@ -378,6 +379,29 @@ def test_every_prefill_step_passes_the_lookahead_reservation_last():
     last_cap = max(source.rfind("num_new_tokens = min(num_new_tokens, request_token_budget)", 0, calls[1]),
                    source.rfind("num_new_tokens = min(\n", 0, calls[0]))
     assert last_cap != -1
+
+
+def test_vllm_pads_an_admitted_one_token_row_with_dummy_drafts_that_h2o_can_take_off():
+    """``events.drop_padding``: under speculative decoding vLLM pads a request admitted with one
+    token left to ``1 + num_spec_tokens`` rows (before ``_reserve_prefill_lookahead``, which must
+    then leave them whole: vLLM asserts it), records the dummies as drafts of -1 in the step's
+    output, and counts the step's tokens as computed in ``_update_after_schedule``, the last
+    thing ``schedule`` does (the async scheduler's override calls it first), so the hook there
+    sees the output whole and the counts not yet advanced. A row without the padding is one
+    vLLM makes itself wherever the padding's conditions fail."""
+    source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
+    pad = source.index("padded_num_tokens = 1 + self.num_spec_tokens")
+    assert "and num_new_tokens == 1" in source[pad - 400:pad]
+    assert pad < source.index("num_new_tokens = self._reserve_prefill_lookahead(\n                        request, num_computed_tokens")
+    assert "assert num_new_tokens == 1 + self.num_spec_tokens" in source
+    assert re.search(r"scheduled_spec_decode_tokens\[request_id\] = \[\s*-1\s*\] \* self\.num_spec_tokens", source)
+    assert source.rstrip().endswith("self._update_after_schedule(scheduler_output)\n        return scheduler_output")
+    update = inspect.getsource(_resolve(f"{_SCHEDULER}._update_after_schedule")[1])
+    assert "request.num_computed_tokens += num_scheduled_token" in update
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    override = inspect.getsource(AsyncScheduler._update_after_schedule)
+    assert override.index("super()._update_after_schedule(scheduler_output)") < override.index(
+        "spec_decode_tokens.get(req_id")
 
 
 def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
