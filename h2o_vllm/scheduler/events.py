@@ -66,36 +66,38 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
 
 
 def _padded(request, known: int, num_tokens: int) -> bool:
-    """Whether vLLM padded this step with dummy drafts: a request being admitted with one
-    token left (a prefix-cache hit or a KV-connector load that covers all but the last token)
-    runs ``1 + k`` rows under speculative decoding, the last ``k`` drafts of -1 that are always
-    rejected (so that a decode batch keeps one shape for CUDA graphs). Its own drafts are the
-    only other way a step gets more tokens than are known, and an admitted request has none."""
-    return known == 1 and num_tokens > 1 and not request.spec_token_ids
+    """Whether vLLM padded this step with dummy drafts: a request being admitted (waiting or
+    preempted) with one token left (a prefix-cache hit or a KV-connector load that covers all
+    but the last token) runs ``1 + k`` rows under speculative decoding, the last ``k`` drafts
+    of -1 that are always rejected (so that a decode batch keeps one shape for CUDA graphs).
+    A request being admitted has no drafts of its own."""
+    from vllm.v1.request import RequestStatus
+    return num_tokens > known and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def drop_padding(managers: Sequence[H2OManager], scheduler_output, requests) -> None:
-    """Take vLLM's dummy drafts off a padded row (``_padded``) whose step H2O would cut before
-    them (``limit_step``): vLLM's scheduler cannot shorten a padded row, and with its drafts
-    the step would hold a compaction whose place is known only after it (docs/semantics.md,
-    "Speculative decoding"). The row then runs its one token alone, as vLLM runs a row it
-    does not pad. Called before vLLM counts the step's tokens as computed."""
+    """Take vLLM's dummy drafts off a padded row (``_padded``: the drafts of a row admitted
+    this step) whose step H2O would cut before them (``limit_step``): vLLM's scheduler cannot
+    shorten a padded row, and with its drafts the step would hold a compaction whose place is
+    known only after it (docs/semantics.md, "Speculative decoding"). The row then runs its one
+    token alone, as vLLM runs a row it does not pad. Called before vLLM counts the step's
+    tokens as computed."""
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    for rid, pad in list(spec_tokens.items()):
-        request, num_tokens = requests[rid], scheduler_output.num_scheduled_tokens[rid]
-        known = num_tokens - len(pad)
-        if not _padded(request, known, num_tokens):
-            continue
-        prompt_lens = [manager.prompt_len_of(request) for manager in managers]
-        limits = [draft_step_limit(request.num_computed_tokens, prompt_len,
-                                   manager.budgets.resolve(rid, prompt_len))
-                  for manager, prompt_len in zip(managers, prompt_lens)]
+    admitted = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+    admitted |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    for rid in admitted & spec_tokens.keys():
+        request, num_tokens, pad = requests[rid], scheduler_output.num_scheduled_tokens[rid], spec_tokens[rid]
+        limits = []
+        for manager in managers:
+            prompt_len = manager.prompt_len_of(request)
+            budget = manager.budgets.resolve(rid, prompt_len)
+            limits.append(draft_step_limit(request.num_computed_tokens, prompt_len, budget))
         if min(limits, default=num_tokens) < num_tokens:
             del spec_tokens[rid]
-            scheduler_output.num_scheduled_tokens[rid] = known
+            scheduler_output.num_scheduled_tokens[rid] = num_tokens - len(pad)
             scheduler_output.total_num_scheduled_tokens -= len(pad)
             for manager in managers:
-                manager.step_shortened(rid, request.num_computed_tokens + known)
+                manager.step_shortened(rid, request.num_computed_tokens + num_tokens - len(pad))
 
 
 def cut_scheduled(managers: Sequence[H2OManager], scheduler_output, requests) -> None:

@@ -153,7 +153,7 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
     config = {"h2o_heavy_tokens": heavy, "h2o_recent_tokens": recent, "h2o_interval": interval}
     (m,) = _managers(H2OConfig())
     request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt_len, sampling_params=None,
-                              num_tokens=0, num_output_placeholders=0, spec_token_ids=[-1] * drafts)
+                              num_tokens=0, num_output_placeholders=0, status=RequestStatus.RUNNING)
     budget = m.budgets.resolve("r", prompt_len, config)
     computed, in_flight, end, compactions, waited = prompt_len, 0, prompt_len + 60, [], False
     while computed < end:
@@ -179,6 +179,15 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
                            if kv_len_after(n, prompt_len, budget) < kv_len_after(n - 1, prompt_len, budget) + 1]
 
 
+def _output(num_scheduled_tokens: dict, spec_tokens: dict, admitted=()):
+    """A step's ``SchedulerOutput``, the fields ``drop_padding`` reads: ``admitted`` rows are
+    new requests (a resumed one would be named in the cached rows' ``resumed_req_ids``)."""
+    return SimpleNamespace(num_scheduled_tokens=num_scheduled_tokens, scheduled_spec_decode_tokens=spec_tokens,
+                           total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+                           scheduled_new_reqs=[SimpleNamespace(req_id=rid) for rid in admitted],
+                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
+
+
 @settings(max_examples=200, deadline=None)
 @given(prompt_len=st.integers(1, 80), heavy=st.integers(1, 10), recent=st.integers(1, 10),
        interval=st.integers(1, 12), drafts=st.integers(1, 4), past=st.integers(0, 40))
@@ -200,8 +209,7 @@ def test_a_padded_row_keeps_its_dummy_drafts_only_where_no_compaction_falls_amon
     computed = request.num_tokens - 1  # all but the last token: a hit or a load
     request.num_computed_tokens = computed
     assert step.limit_step([m], request, computed, 1 + drafts) == 1 + drafts
-    output = SimpleNamespace(num_scheduled_tokens={"r": 1 + drafts, "other": 5},
-                             scheduled_spec_decode_tokens={"r": [-1] * drafts}, total_num_scheduled_tokens=6 + drafts)
+    output = _output({"r": 1 + drafts, "other": 5}, {"r": [-1] * drafts}, admitted=["r"])
     step.drop_padding([m], output, {"r": request})
     padded = "r" in output.scheduled_spec_decode_tokens
     tokens = output.num_scheduled_tokens["r"]
@@ -218,9 +226,10 @@ def test_drop_padding_leaves_a_running_requests_own_drafts_alone():
     step.add_request([m], request)
     request.append_output_token_ids(7)
     request.num_computed_tokens, request.spec_token_ids = 20, [1, 2, 3]
+    request.status = RequestStatus.RUNNING
     tokens = step.limit_step([m], request, 20, 4)
     assert tokens < 4  # the compaction at 24 is the fourth token's: cut before it
-    output = SimpleNamespace(num_scheduled_tokens={"r": tokens}, total_num_scheduled_tokens=tokens,
-                             scheduled_spec_decode_tokens={"r": [1, 2, 3][:tokens - 1]})
+    request.spec_token_ids = []  # vLLM clears them once it has scheduled them
+    output = _output({"r": tokens}, {"r": [1, 2, 3][:tokens - 1]})
     step.drop_padding([m], output, {"r": request})
     assert output.num_scheduled_tokens == {"r": tokens} and output.scheduled_spec_decode_tokens["r"] == [1, 2, 3][:tokens - 1]
