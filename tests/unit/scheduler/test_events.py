@@ -179,20 +179,20 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
                            if kv_len_after(n, prompt_len, budget) < kv_len_after(n - 1, prompt_len, budget) + 1]
 
 
-def _output(num_scheduled_tokens: dict, spec_tokens: dict, admitted=()):
+def _output(num_scheduled_tokens: dict, spec_tokens: dict, admitted=(), resumed=()):
     """A step's ``SchedulerOutput``, the fields ``drop_padding`` reads: ``admitted`` rows are
-    new requests (a resumed one would be named in the cached rows' ``resumed_req_ids``)."""
+    new requests, ``resumed`` ones preempted requests admitted again."""
     return SimpleNamespace(num_scheduled_tokens=num_scheduled_tokens, scheduled_spec_decode_tokens=spec_tokens,
                            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
                            scheduled_new_reqs=[SimpleNamespace(req_id=rid) for rid in admitted],
-                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
+                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
 
 
 @settings(max_examples=200, deadline=None)
 @given(prompt_len=st.integers(1, 80), heavy=st.integers(1, 10), recent=st.integers(1, 10),
-       interval=st.integers(1, 12), drafts=st.integers(1, 4), past=st.integers(0, 40))
+       interval=st.integers(1, 12), drafts=st.integers(1, 4), past=st.integers(0, 40), resumed=st.booleans())
 def test_a_padded_row_keeps_its_dummy_drafts_only_where_no_compaction_falls_among_them(
-        prompt_len, heavy, recent, interval, drafts, past):
+        prompt_len, heavy, recent, interval, drafts, past, resumed):
     """vLLM pads a request admitted with one token left (a prefix-cache hit or a KV-connector
     load up to its last token) to ``1 + k`` rows, ``k`` dummy drafts it always rejects, and
     asserts the row whole: ``limit_step`` leaves it so. ``drop_padding`` then takes the dummies
@@ -208,8 +208,12 @@ def test_a_padded_row_keeps_its_dummy_drafts_only_where_no_compaction_falls_amon
     budget = m.budgets.resolve("r", prompt_len)
     computed = request.num_tokens - 1  # all but the last token: a hit or a load
     request.num_computed_tokens = computed
+    if resumed:  # preempted, then admitted again on a prefix-cache hit
+        request.status = RequestStatus.PREEMPTED
     assert step.limit_step([m], request, computed, 1 + drafts) == 1 + drafts
-    output = _output({"r": 1 + drafts, "other": 5}, {"r": [-1] * drafts}, admitted=["r"])
+    request.status = RequestStatus.RUNNING  # as vLLM sets it before the output is built
+    admitted = {"resumed" if resumed else "admitted": ["r"]}
+    output = _output({"r": 1 + drafts, "other": 5}, {"r": [-1] * drafts}, **admitted)
     step.drop_padding([m], output, {"r": request})
     padded = "r" in output.scheduled_spec_decode_tokens
     tokens = output.num_scheduled_tokens["r"]
