@@ -373,7 +373,7 @@ def _aborted_run(model_dir, speculative_config, engine):
         pool = scheduler_of(llm).kv_cache_manager.block_pool
         free_before = pool.get_num_free_blocks()
         prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
-        outputs = run_steps(llm, prompts, greedy(80), abort_after=(15, ["1", "3"]),
+        outputs = run_steps(llm, prompts, greedy(40), abort_after=(15, ["1", "3"]),
                             on_step=lambda: check_block_lists(llm, TINY_H2O, 16, DRAFTS))
         return outputs, free_before, pool.get_num_free_blocks()
 
