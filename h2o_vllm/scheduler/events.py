@@ -48,8 +48,7 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
     # Each step in flight holds one placeholder for its sampled token and one per draft.
     drafts_in_flight = request.num_output_placeholders > 1
     for manager in managers:
-        prompt_len = manager.prompt_len_of(request)
-        budget = manager.budgets.resolve(request.request_id, prompt_len)
+        prompt_len, budget = _prompt_and_budget(manager, request)
         limit = prefill_step_limit(num_computed_tokens, prompt_len, budget.prefill_chunk)
         if limit is None and num_computed_tokens < prompt_len < request.num_prompt_tokens:
             # A transfer consumer computing its prompt itself: H2O's prompt ends before vLLM's,
@@ -63,6 +62,12 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
         if drafts_in_flight and step_compacts(num_computed_tokens, num_new_tokens, prompt_len, budget):
             return 0
     return num_new_tokens
+
+
+def _prompt_and_budget(manager: H2OManager, request):
+    """The request's H2O prompt length in ``manager`` and the budget resolved for it."""
+    prompt_len = manager.prompt_len_of(request)
+    return prompt_len, manager.budgets.resolve(request.request_id, prompt_len)
 
 
 def _padded(request, known: int, num_tokens: int) -> bool:
@@ -87,12 +92,9 @@ def drop_padding(managers: Sequence[H2OManager], scheduler_output, requests) -> 
     admitted |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
     for rid in admitted & spec_tokens.keys():
         request, num_tokens, pad = requests[rid], scheduler_output.num_scheduled_tokens[rid], spec_tokens[rid]
-        limits = []
-        for manager in managers:
-            prompt_len = manager.prompt_len_of(request)
-            budget = manager.budgets.resolve(rid, prompt_len)
-            limits.append(draft_step_limit(request.num_computed_tokens, prompt_len, budget))
-        if min(limits, default=num_tokens) < num_tokens:
+        limit = min((draft_step_limit(request.num_computed_tokens, *_prompt_and_budget(manager, request))
+                     for manager in managers), default=num_tokens)
+        if limit < num_tokens:
             del spec_tokens[rid]
             scheduler_output.num_scheduled_tokens[rid] = num_tokens - len(pad)
             scheduler_output.total_num_scheduled_tokens -= len(pad)

@@ -208,10 +208,10 @@ def repeated_passages(model_dir, shapes) -> list[list[int]]:
     return prompts
 
 
-def drive_checked(llm, prompts, params, engine_h2o: dict, block_size: int, draft_tokens: int = 0, **kwargs):
-    """``run_steps`` with the block lists checked after every step (``check_block_lists``) and
-    the pool drained after; returns (outputs, seen): ``seen["evicted"]`` per check,
-    ``seen["held"]`` each request's block counts (by the id it was added with)."""
+def drive_checked(llm, prompts, params, engine_h2o: dict, block_size: int, **kwargs):
+    """``run_steps`` with the block lists checked after every step and the pool drained after;
+    returns (outputs, seen): ``seen["evicted"]`` per check, ``seen["held"]`` each request's
+    block counts (by the id it was added with)."""
     scheduler = scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
@@ -219,7 +219,7 @@ def drive_checked(llm, prompts, params, engine_h2o: dict, block_size: int, draft
     _, manager = h2o_group(scheduler)
 
     def check():
-        seen["evicted"].extend(check_block_lists(llm, engine_h2o, block_size, draft_tokens))
+        seen["evicted"].extend(check_block_lists(llm, engine_h2o, block_size))
         for request in scheduler.running:
             held = seen["held"].setdefault(request.request_id.rsplit("-", 1)[0], [])  # vLLM adds a suffix
             held.append(len(manager.req_to_blocks[request.request_id]))
