@@ -24,7 +24,7 @@ def check_engine_args(args: Any, h2o: H2OConfig) -> None:
     _check_speculative_args(args)
     kv_transfer = getattr(args, "kv_transfer_config", None)
     if kv_transfer is not None:
-        kv_transfer_config.check(kv_transfer, [_speculator(m) for m, _, _ in _speculators(args)], way_out=_OFF)
+        kv_transfer_config.check(kv_transfer, way_out=_OFF)
     pp = getattr(args, "pipeline_parallel_size", 1) or 1
     if pp > 1:
         _refuse_pipeline_parallel(pp)
@@ -41,8 +41,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
         _check_device_ngram_runner(method, getattr(vllm_config, "use_v2_model_runner", False))
     kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer is not None:
-        speculators = [] if spec is None else [_speculator(getattr(spec, "method", None))]
-        kv_transfer_config.check(kv_transfer, speculators, way_out=_OFF)
+        kv_transfer_config.check(kv_transfer, way_out=_OFF)
     parallel = getattr(vllm_config, "parallel_config", None)
     pp = getattr(parallel, "pipeline_parallel_size", 1) if parallel is not None else 1
     if pp > 1:

@@ -32,14 +32,8 @@ def _field(kv_transfer: Any, name: str):
     return kv_transfer.get(name) if isinstance(kv_transfer, dict) else getattr(kv_transfer, name, None)
 
 
-#: Speculators that draft without KV layers of their own (a lookup in the token history): the
-#: connector's H2O state is all a decoder drafting with them needs.
-LAYERLESS_SPECULATORS = ("ngram", "ngram_gpu")
-
-
-def check(kv_transfer: Any, speculators: Sequence[str | None], way_out: str) -> None:
-    """Refuse a connector that cannot carry H2O's state, naming the one that can, and one
-    beside a speculator whose own layers' KV it would not carry."""
+def check(kv_transfer: Any, way_out: str) -> None:
+    """Refuse a connector that cannot carry H2O's state, naming the one that can."""
     name = _field(kv_transfer, "kv_connector")
     if name in ("NixlConnector", H2O_NIXL_CONNECTOR) and (missing := nixl_missing()) is not None:
         raise ValueError(
@@ -56,14 +50,6 @@ def check(kv_transfer: Any, speculators: Sequence[str | None], way_out: str) -> 
             'vLLM\'s disaggregation proxy) or \'{"kv_connector": "ExampleConnector", "kv_role": "kv_producer", '
             '"kv_connector_extra_config": {"shared_storage_path": "<a folder both engines see>"}}\' '
             f"(shared storage; kv_consumer on the decode side): H2O runs its own in their place, {way_out}")
-    drafters = [s for s in speculators if s not in LAYERLESS_SPECULATORS]
-    if drafters:
-        raise ValueError(
-            f"speculative decoding with method {drafters[0]!r} and a KV connector (--speculative-config "
-            "with --kv-transfer-config) cannot be combined with H2O KV eviction yet: the connector "
-            "moves the target's H2O state only, not the KV cache of a drafter's own layers. Draft "
-            "with n-gram lookup instead ('{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-            f"\"prompt_lookup_max\": 4}}', no layers of its own), drop one of the two, {way_out}")
 
 
 def settle(args: Any) -> str | None:

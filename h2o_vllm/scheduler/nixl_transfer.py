@@ -14,6 +14,7 @@ as the proxy sends them) save: a plain request on a ``kv_both`` engine holds no 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -33,20 +34,23 @@ PARAMS = "h2o_nixl"
 @dataclass(frozen=True)
 class StateShape:
     """What one rank's packed state is made of: the H2O layers' count and per-rank KV heads,
-    the head size and the cache's bytes per element (read from the KV-cache spec)."""
+    the head size and the cache's bytes per element, and a block's bytes in each whole group
+    (all its layers: a speculative drafter's own), read from the KV-cache spec."""
     num_layers: int
     kv_heads: int
     head_size: int
     itemsize: int
+    whole_block_nbytes: tuple[int, ...] = ()
 
-    def nbytes(self, kv_len: int) -> int:
-        return packed_nbytes(self.num_layers, kv_len, self.kv_heads, self.head_size, self.itemsize)
+    def nbytes(self, kv_len: int, whole: tuple[tuple[int, ...], ...] = ()) -> int:
+        blocks = sum(len(ids) * n for ids, n in zip(whole, self.whole_block_nbytes, strict=True))
+        return packed_nbytes(self.num_layers, kv_len, self.kv_heads, self.head_size, self.itemsize) + blocks
 
 
 class NixlTransferScheduler(TransferScheduler):
     def __init__(self, staging: Staging, shape: StateShape, config: H2OConfig, block_size: int,
-                 world_size: int, produces: bool, consumes: bool) -> None:
-        super().__init__(None, config, block_size, world_size, produces, consumes)
+                 world_size: int, produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = ()) -> None:
+        super().__init__(None, config, block_size, world_size, produces, consumes, whole_block_sizes)
         self.staging, self.shape = staging, shape
         self.peers: tuple[NixlPeer, ...] = ()           # this engine's ranks, from the handshake
         self.named: dict[str, tuple[str, StoredPrompt, dict]] = {}  # consumer request -> its params
@@ -95,7 +99,7 @@ class NixlTransferScheduler(TransferScheduler):
     def _staged(self, request, move: KVMove) -> KVMove | None:
         if not (request.kv_transfer_params or {}).get("do_remote_decode"):
             return None
-        nbytes = self.shape.nbytes(move.kv_len)
+        nbytes = self.shape.nbytes(move.kv_len, move.whole)
         reservation = self.staging.reserve(nbytes)
         if reservation is None:
             self.num_unstaged += 1
@@ -105,8 +109,7 @@ class NixlTransferScheduler(TransferScheduler):
                            self.staging.used, self.staging.capacity)
             return None
         self.tickets[request.request_id] = reservation.ticket
-        return KVMove(move.req_id, move.key, move.block_ids, move.kv_len, reservation.ticket,
-                      reservation.offset, nbytes)
+        return dataclasses.replace(move, ticket=reservation.ticket, offset=reservation.offset, nbytes=nbytes)
 
     def _commit(self, req_id: str, key: str, stored: StoredPrompt) -> dict:
         reservation = self.staging.commit(self.tickets.pop(req_id))
@@ -123,13 +126,13 @@ class NixlTransferScheduler(TransferScheduler):
 
     # NIXL's own.
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        super().allocated(request, block_ids, num_external_tokens)
+    def allocated(self, request, block_ids: list[int], num_external_tokens: int, whole_ids=()) -> None:
+        super().allocated(request, block_ids, num_external_tokens, whole_ids)
         if any(move.req_id == request.request_id for move in self.loads):
             self.fetching.pop(request.request_id, None)  # the load takes the fetched bytes
 
-    def orders(self, scheduler_output, requests, manager) -> TransferOrders:
-        orders = super().orders(scheduler_output, requests, manager)
+    def orders(self, scheduler_output, requests, manager, whole_ids=lambda rid: ()) -> TransferOrders:
+        orders = super().orders(scheduler_output, requests, manager, whole_ids)
         orders.fetches, self.fetches = self.fetches, []
         orders.forgets, self.forgets = self.forgets, []
         metrics.recorder().set(kv_transfer_staging_bytes=self.staging.used)

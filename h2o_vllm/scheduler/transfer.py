@@ -21,6 +21,7 @@ Where states live is the medium's: ``TransferScheduler`` is shared storage (``KV
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 
 from vllm.utils.math_utils import cdiv
 
@@ -38,8 +39,10 @@ PENDING = object()
 
 class TransferScheduler:
     def __init__(self, store: KVStore, config: H2OConfig, block_size: int, world_size: int,
-                 produces: bool, consumes: bool) -> None:
+                 produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = ()) -> None:
         self.store, self.config, self.block_size = store, config, block_size
+        #: The block size of each whole KV-cache group (a speculative drafter's own layers).
+        self.whole_block_sizes = whole_block_sizes
         self.world_size, self.produces, self.consumes = world_size, produces, consumes
         self.continuations: dict[str, tuple[str, StoredPrompt]] = {}  # consumer request -> its state
         self.whole: set[str] = set()                            # continuations whose files were checked
@@ -169,21 +172,32 @@ class TransferScheduler:
     def _forget(self, req_id: str) -> None:
         """``req_id`` ends or gives up its save or load: drop what the medium holds for it."""
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated ``request``'s blocks (its H2O group's ``block_ids``) for a load."""
+    def _whole(self, group_ids: Sequence[Sequence[int]], num_tokens: int) -> tuple[tuple[int, ...], ...]:
+        """The blocks of each whole group (``group_ids``: all of a request's, per group) that
+        hold positions ``[0, num_tokens)``."""
+        return tuple(tuple(ids[:cdiv(num_tokens, size)])
+                     for ids, size in zip(group_ids, self.whole_block_sizes, strict=True))
+
+    def allocated(self, request, block_ids: list[int], num_external_tokens: int,
+                  whole_ids: Sequence[Sequence[int]] = ()) -> None:
+        """vLLM allocated ``request``'s blocks (its H2O group's ``block_ids``, each whole
+        group's ``whole_ids``) for a load."""
         found = self.loading.pop(request.request_id, None)
         if found is None or not num_external_tokens:
             return
         key, stored = found
         self.loads.append(KVMove(request.request_id, key,
-                                 tuple(block_ids[:cdiv(stored.kv_len, self.block_size)]), stored.kv_len))
+                                 tuple(block_ids[:cdiv(stored.kv_len, self.block_size)]), stored.kv_len,
+                                 whole=self._whole(whole_ids, stored.prompt_len)))
         self.num_loaded += 1
         metrics.recorder().add(kv_transfer_loaded_prompts=1)
 
-    def orders(self, scheduler_output, requests, manager) -> TransferOrders:
+    def orders(self, scheduler_output, requests, manager,
+               whole_ids: Callable[[str], Sequence[Sequence[int]]] = lambda rid: ()) -> TransferOrders:
         """This step's orders: prompt lengths, the loads allocated since the last step, and
-        the saves of producer requests whose prompt ends with this step. Called while vLLM
-        builds the step's output, before it advances the requests' computed tokens."""
+        the saves of producer requests whose prompt ends with this step (``whole_ids``: a
+        request's blocks in each whole group). Called while vLLM builds the step's output,
+        before it advances the requests' computed tokens."""
         orders = TransferOrders(loads=self.loads)
         self.loads = []
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -198,7 +212,8 @@ class TransferScheduler:
                 budget = manager.budgets.resolve(rid, prompt_len)
                 kv_len = kv_len_after(prompt_len, prompt_len, budget)
                 key = self._key(request, prompt_len)
-                move = self._staged(request, KVMove(rid, key, tuple(manager.live_block_ids(rid, kv_len)), kv_len))
+                move = self._staged(request, KVMove(rid, key, tuple(manager.live_block_ids(rid, kv_len)), kv_len,
+                                                    whole=self._whole(whole_ids(rid), prompt_len)))
                 if move is not None:
                     orders.saves.append(move)
                     self.saving[rid] = (key, prompt_len, kv_len)

@@ -10,7 +10,8 @@ runs ``H2ONixlConnector`` (NIXL reads from the producer's memory, ``worker.nixl_
 Why a connector of our own and not a wrapper of vLLM's: a stock connector moves whole blocks
 by token position, and after compaction position ``t`` of a block is no token in particular;
 what must travel (live K/V per head, their scores) is H2O's, and so is when (after the
-prompt's compaction).
+prompt's compaction). A speculative drafter's own layers (KV-cache groups H2O leaves whole)
+travel beside it as the blocks that hold the prompt (``worker.transfer``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorHandshakeMetadata,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole,
-                                                               KVConnectorWorkerMetadata)
+                                                               KVConnectorWorkerMetadata, SupportsHMA)
 from vllm.logger import init_logger
 
 from h2o_vllm.config import h2o_config
@@ -48,9 +49,11 @@ def transfer_orders(scheduler_output) -> TransferOrders | None:
     return meta.orders if isinstance(meta, H2OConnectorMetadata) else None
 
 
-class H2OConnector(KVConnectorBase_V1):
+class H2OConnector(KVConnectorBase_V1, SupportsHMA):
     """What both of H2O's connectors share; a medium supplies ``_make_transfer`` (scheduler)
-    and ``_write`` / ``_read`` (worker)."""
+    and ``_write`` / ``_read`` (worker). ``SupportsHMA``: vLLM keeps its hybrid KV-cache
+    manager on beside it, so a speculative drafter's layers keep KV-cache groups of their own
+    (H2O leaves them whole) instead of failing to unify with H2O's."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -60,12 +63,15 @@ class H2OConnector(KVConnectorBase_V1):
                              "or use vLLM's own connector without H2O")
         self.requests: dict[str, Any] = {}
         self.transfer = None
+        self.whole_groups = _whole_groups(kv_cache_config)
+        self.whole_caches: list[tuple[str, int, torch.Tensor]] = []  # worker: (name, group, blocks view)
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
             self.transfer = self._make_transfer(config, dict(
                 block_size=vllm_config.cache_config.block_size,
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
-                produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer))
+                produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer,
+                whole_block_sizes=tuple(g.kv_cache_spec.block_size for _, g in self.whole_groups)))
 
     def _make_transfer(self, config, common: dict):
         raise NotImplementedError
@@ -99,14 +105,24 @@ class H2OConnector(KVConnectorBase_V1):
         return self.transfer.matched(request, num_computed_tokens, self._manager()), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.transfer.allocated(request, blocks.get_block_ids()[self._group()], num_external_tokens)
+        ids = blocks.get_block_ids()
+        self.transfer.allocated(request, ids[self._group()], num_external_tokens,
+                                [ids[g] for g, _ in self.whole_groups])
+
+    def _whole_ids(self, req_id: str) -> list[list[int]]:
+        ids = self._kv_cache_manager.get_block_ids(req_id)
+        return [ids[g] for g, _ in self.whole_groups]
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return H2OConnectorMetadata(self.transfer.orders(scheduler_output, self.requests, self._manager()))
+        return H2OConnectorMetadata(self.transfer.orders(scheduler_output, self.requests, self._manager(),
+                                                         self._whole_ids))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         self.requests.pop(request.request_id, None)
         return False, self.transfer.finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
+        return self.request_finished(request, block_ids)
 
     # Worker side.
 
@@ -118,11 +134,22 @@ class H2OConnector(KVConnectorBase_V1):
             if getattr(impl, "h2o", None) is not None and hasattr(impl, "cache_state"):
                 yield name, impl, layer.kv_cache
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep the whole groups' layers: vLLM's block-major views, one block per manager block."""
+        self.whole_caches = [(name, i, kv_caches[name]) for i, (_, group) in enumerate(self.whole_groups)
+                             for name in sorted(group.layer_names) if name in kv_caches]
+        num_blocks = self._kv_cache_config.num_blocks
+        for name, _, cache in self.whole_caches:
+            if cache.shape[0] != num_blocks:
+                raise RuntimeError(f"{type(self).__name__}: vLLM's KV cache view of {name} has {cache.shape[0]} "
+                                   f"blocks in its first dimension, where the pool has {num_blocks}: this vLLM "
+                                   "lays out a connector's views otherwise than 0.32 did")
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         orders = self._get_connector_metadata().orders
         if orders.loads:
             from h2o_vllm.worker import transfer
-            transfer.load(orders, self._layers(), self._read)
+            transfer.load(orders, self._layers(), self._read, self.whole_caches)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -135,7 +162,8 @@ class H2OConnector(KVConnectorBase_V1):
         if orders.saves:
             from h2o_vllm import metrics
             from h2o_vllm.worker import transfer
-            metrics.recorder().add(kv_transfer_saved_bytes=transfer.save(orders, self._layers(), self._write))
+            metrics.recorder().add(kv_transfer_saved_bytes=transfer.save(orders, self._layers(), self._write,
+                                                                         self.whole_caches))
 
 
 class H2OStorageConnector(H2OConnector):
@@ -196,7 +224,8 @@ class H2ONixlConnector(H2OConnector):
         if len(groups) != 1:
             raise RuntimeError(f"{NIXL_NAME} moves one H2O KV-cache group, found {len(groups)}")
         spec = groups[0].kv_cache_spec
-        shape = StateShape(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize)
+        shape = StateShape(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
+                           tuple(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for _, g in self.whole_groups))
         lease = float(self._kv_transfer_config.get_from_extra_config(LEASE_S, LEASE_S_DEFAULT))
         staging = Staging(self._staging_bytes(), common["world_size"], lease)
         return NixlTransferScheduler(staging, shape, config, **common)
@@ -215,10 +244,19 @@ class H2ONixlConnector(H2OConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from h2o_vllm.worker.nixl_transport import NixlTransport, StateLayout
+        super().register_kv_caches(kv_caches)
         layers = sorted(self._layers(), key=lambda layer: layer[0])
         views, _ = layers[0][1].cache_state(layers[0][2])
         _, _, kv_heads, head_size = views.keys.shape
-        self.layout = StateLayout(tuple(name for name, _, _ in layers), kv_heads, head_size, views.keys.dtype)
+        whole = []
+        for name, group, cache in self.whole_caches:
+            page = self.whole_groups[group][1].kv_cache_spec.page_size_bytes
+            if cache[0].numel() * cache.element_size() != page:  # the scheduler reserves staging by the spec
+                raise RuntimeError(f"{NIXL_NAME}: a block of {name} holds {cache[0].numel() * cache.element_size()} "
+                                   f"bytes where its KV-cache spec says {page}")
+            whole.append((name, group, tuple(cache.shape[1:]), cache.dtype))
+        self.layout = StateLayout(tuple(name for name, _, _ in layers), kv_heads, head_size, views.keys.dtype,
+                                  tuple(whole))
         rank = _rank()
         name = f"h2o-{self._kv_transfer_config.engine_id}-dp{self._vllm_config.parallel_config.data_parallel_index}-tp{rank}"
         timeout = float(self._kv_transfer_config.get_from_extra_config(TIMEOUT_S, TIMEOUT_S_DEFAULT))
@@ -242,15 +280,34 @@ class H2ONixlConnector(H2OConnector):
     def _write(self, move: KVMove, tensors: dict[str, torch.Tensor]) -> int:
         from h2o_vllm.packed_state import PARTS
         return self.nixl.stage(move, [{part: tensors[f"{name}.{part}"] for part in PARTS}
-                                      for name in self.layout.names])
+                                      for name in self.layout.names],
+                               [tensors[f"{name}.blocks"] for name, _, _, _ in self.layout.whole])
 
     def _read(self, move: KVMove) -> dict[str, torch.Tensor]:
-        return self.nixl.take(move.req_id, move.kv_len, self.layout)
+        return self.nixl.take(move, self.layout)
 
     def shutdown(self) -> None:
         if self.nixl is not None:
             self.nixl.close()
             self.nixl = None
+
+
+def _whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
+    """(index, group) of each KV-cache group H2O leaves whole: a speculative drafter's own
+    layers (a hybrid model's window groups are refused beside a connector before load,
+    ``frontend.kv_transfer_config.check_model``). Their prompt travels as whole blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    whole = [(g, group) for g, group in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ())
+             if not isinstance(group.kv_cache_spec, H2OAttentionSpec)]
+    for _, group in whole:
+        if not isinstance(group.kv_cache_spec, FullAttentionSpec):
+            raise ValueError(f"H2O's KV connector moves H2O's state and full-attention layers kept whole; "
+                             f"{type(group.kv_cache_spec).__name__} layers ({', '.join(group.layer_names[:3])}) "
+                             "would need a transfer of their own: drop --kv-transfer-config, or turn H2O KV "
+                             "eviction off (drop --kv-eviction h2o / additional_config['h2o'])")
+    return whole
 
 
 def _rank() -> int:

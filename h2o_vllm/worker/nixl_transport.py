@@ -36,11 +36,14 @@ READ_MARK = b"h2o-read:"
 
 @dataclass
 class StateLayout:
-    """The H2O layers of this rank (name order) and the shape of their cached K/V."""
+    """The H2O layers of this rank (name order) and the shape of their cached K/V; and the
+    whole layers (a speculative drafter's own, name order): (name, group index in
+    ``KVMove.whole``, a block's shape, dtype)."""
     names: tuple[str, ...]
     kv_heads: int
     head_size: int
     dtype: torch.dtype
+    whole: tuple[tuple[str, int, tuple[int, ...], torch.dtype], ...] = ()
 
 
 @dataclass
@@ -96,9 +99,10 @@ class NixlTransport:
 
     # Producer.
 
-    def stage(self, move: KVMove, layers: list[dict[str, torch.Tensor]]) -> int:
-        """Pack ``move``'s state (its layers in name order) at its reserved offset."""
-        written = pack(self.staging[move.offset:move.offset + move.nbytes], move.key, move.ticket, layers)
+    def stage(self, move: KVMove, layers: list[dict[str, torch.Tensor]], blocks: list[torch.Tensor] = ()) -> int:
+        """Pack ``move``'s state (its layers in name order, then its whole layers' blocks) at
+        its reserved offset."""
+        written = pack(self.staging[move.offset:move.offset + move.nbytes], move.key, move.ticket, layers, blocks)
         if written != move.nbytes:
             raise RuntimeError(f"h2o: the packed state of {move.req_id} has {written} bytes where the "
                                f"scheduler reserved {move.nbytes}: the KV-cache spec and the layers disagree")
@@ -128,11 +132,12 @@ class NixlTransport:
         if read is not None:
             read.forgotten = True
 
-    def take(self, req_id: str, kv_len: int, layout: StateLayout) -> dict[str, torch.Tensor]:
-        """The fetched state of ``req_id``, as ``worker.transfer.write_state`` takes it per layer."""
-        buffer, fetch = self.fetched.pop(req_id)
-        state = unpack(buffer, fetch.key, fetch.ticket, layout.names, kv_len, layout.kv_heads,
-                       layout.head_size, layout.dtype)
+    def take(self, move: KVMove, layout: StateLayout) -> dict[str, torch.Tensor]:
+        """The fetched state that ``move`` loads, as ``worker.transfer.load`` takes it."""
+        buffer, fetch = self.fetched.pop(move.req_id)
+        blocks = [(name, (len(move.whole[group]), *shape), dtype) for name, group, shape, dtype in layout.whole]
+        state = unpack(buffer, fetch.key, fetch.ticket, layout.names, move.kv_len, layout.kv_heads,
+                       layout.head_size, layout.dtype, blocks)
         return {f"{name}.{part}": t for name, parts in state.items() for part, t in parts.items()}
 
     def poll(self) -> TransferReport:

@@ -8,6 +8,13 @@ transposed K pages, Triton's layout, fp8 bytes alike) and the layer's score buff
 device-neutral layout ``[kv_len, kv_heads, head_size]`` (scores ``[kv_len, kv_heads]``).
 The medium is the caller's: ``write`` / ``read`` take a move's tensors to or from a file
 (``KVStore``) or NIXL staging (``worker.nixl_transport``), named ``<layer>.<k|v|scores>``.
+
+A speculative drafter's own layers (a draft model's, EAGLE's, MTP's) keep vLLM's attention and
+their KV cache whole, so their prompt is whole blocks by position: they travel as the blocks
+that hold it, ``<layer>.blocks`` ``[n, ...]`` in vLLM's per-block layout (block-major views,
+the ones vLLM hands a connector's ``register_kv_caches``), read and written whatever the
+backend's layout within a block. The save runs after the drafter has written the prompt:
+with a speculator vLLM calls ``wait_for_save`` once the draft pass is done, on both runners.
 """
 from __future__ import annotations
 
@@ -48,29 +55,49 @@ def write_state(views, scores: torch.Tensor, move: KVMove, state: dict[str, torc
     scores[blocks, :, offsets] = state["scores"].to(device, torch.float32)
 
 
+#: A whole layer as transfer sees it: (name, its group's index in ``KVMove.whole``, its
+#: block-major KV cache view).
+WholeLayer = tuple[str, int, torch.Tensor]
+
+
+def read_blocks(cache: torch.Tensor, block_ids: tuple[int, ...]) -> torch.Tensor:
+    """The blocks ``block_ids`` of a block-major cache view, on the CPU."""
+    return cache[torch.tensor(block_ids, dtype=torch.int64, device=cache.device)].cpu()
+
+
+def write_blocks(cache: torch.Tensor, block_ids: tuple[int, ...], blocks: torch.Tensor) -> None:
+    cache[torch.tensor(block_ids, dtype=torch.int64, device=cache.device)] = blocks.to(cache.device, cache.dtype)
+
+
 def save(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
-         write: Callable[[KVMove, dict[str, torch.Tensor]], int]) -> int:
+         write: Callable[[KVMove, dict[str, torch.Tensor]], int], whole: Iterable[WholeLayer] = ()) -> int:
     """Each ordered save's tensors of this rank's heads to ``write``; returns the bytes written."""
     if not orders.saves:
         return 0
     states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
+    whole = list(whole)
     written = 0
     for move in orders.saves:
         tensors = {}
         for name, views, scores in states:
             tensors.update({f"{name}.{part}": t for part, t in read_state(views, scores, move).items()})
+        for name, group, cache in whole:
+            tensors[f"{name}.blocks"] = read_blocks(cache, move.whole[group])
         written += write(move, tensors)
     return written
 
 
 def load(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
-         read: Callable[[KVMove], dict[str, torch.Tensor]]) -> None:
+         read: Callable[[KVMove], dict[str, torch.Tensor]], whole: Iterable[WholeLayer] = ()) -> None:
     """Each ordered load from ``read`` (the scheduler checked the state is whole)."""
     if not orders.loads:
         return
     states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
+    whole = list(whole)
     for move in orders.loads:
         stored = read(move)
         for name, views, scores in states:
             write_state(views, scores, move,
                         {part: stored[f"{name}.{part}"] for part in ("k", "v", "scores")})
+        for name, group, cache in whole:
+            write_blocks(cache, move.whole[group], stored[f"{name}.blocks"])

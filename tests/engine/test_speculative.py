@@ -88,11 +88,12 @@ def draft_model_rounds(smollm2_dir, prompts, oracle_outputs):
     return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, draft)
 
 
-def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None):
+def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None, evicts=True):
     """{budget: outputs} of every budget at once (per-request budgets), block lists checked
-    after every step; (drafts, accepted) of the run; the pool drains. With ``firsts`` ({budget:
-    each prompt's first token}) each request continues its prompt from that token, as a KV
-    transfer's decoder does, and its outputs start with it."""
+    after every step (``evicts``: whether they saw tokens evicted, None: either); (drafts,
+    accepted) of the run; the
+    pool drains. With ``firsts`` ({budget: each prompt's first token}) each request continues
+    its prompt from that token, as a KV transfer's decoder does, and its outputs start with it."""
     scheduler = scheduler_of(llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     drafts_before, accepted_before = spec_decode_counts(llm)
@@ -102,7 +103,7 @@ def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKEN
     evicted = []
     outputs = run_steps(llm, [p for p, _ in requests], [params for _, params in requests],
                         on_step=lambda: evicted.extend(check_block_lists(llm, {}, block, DRAFTS)))
-    assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
+    assert evicts is None or (max(evicted, default=0) > 0) == evicts, f"evicted {max(evicted, default=0)} at most"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     drafts, accepted = spec_decode_counts(llm)
     n = len(prompts)
@@ -250,6 +251,54 @@ def test_model_drafters_h2o_equal_the_dense_oracle_with_drafts_accepted(mirrored
         assert outputs[name] == expected[name], f"{name}: H2O with {method} drafts left the oracle"
     changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
+
+
+def _eagle_transferred(target, prompts, speculative_config, store):
+    """A model drafter beside a KV connector: one engine in both roles (as
+    ``_transferred_matrix``), prefix caching off. The budget matrix is prefilled for its first
+    tokens, then continued twice from the saved states: first loading them, then, with the
+    rank files gone (each commit mark left), computing each prompt itself, as a decoder does
+    when a state is lost, with the same H2O prompt length. Returns both continuations and how
+    many states loaded and how many prompts were computed again."""
+    kv_transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    with vllm_engine(target, in_process=True, block_size=EAGLE_BLOCK, max_model_len=512,
+                     speculative_config=speculative_config, disable_log_stats=False, enable_prefix_caching=False,
+                     kv_transfer_config=kv_transfer, additional_config={"h2o": {}}) as llm:
+        # A one-token run ends in its prompt's step: the checks see no request left to evict.
+        produced, _, _ = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, 1, evicts=None)
+        loaded = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS, produced)
+        for rank_file in store.glob("*/rank*.safetensors"):
+            rank_file.unlink()
+        computed = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS, produced)
+        transfer = scheduler_of(llm).connector.transfer
+        return loaded, computed, transfer.num_loaded, transfer.num_recomputed
+
+
+@pytest.mark.parametrize("method", ["eagle3"])
+def test_a_model_drafter_decoding_transferred_prompts_drafts_as_over_its_own_prefill(
+        mirrored_drafter, eagle_prompts, method, tmp_path):
+    """P/D with EAGLE-3, the usual GPU deployment: the connector carries the target's H2O
+    state and the drafter's own layers, whole, as the blocks that hold the prompt. Every
+    continuation loads and equals the oracle over the budget matrix. Outputs are exact whatever
+    the drafter's cache holds, so acceptance is what shows its KV came over: a decoder that
+    loads accepts exactly the drafts of one that computes the prompt itself (42 of them; with
+    the drafter's blocks not loaded, 12). vLLM counts the dummy drafts it pads a loaded
+    request's first step with (``scheduler.events.drop_padding``) as drafted, so the loading
+    run drafts up to ``DRAFTS`` more per request, all rejected."""
+    target, spec = mirrored_drafter(method, DRAFTS)
+    expected = _eagle_oracle(target, eagle_prompts)
+    (loaded, computed, num_loaded, num_computed) = in_fresh_process(
+        _eagle_transferred, target, eagle_prompts, spec, tmp_path)
+    print(f"{method} with H2O after a KV transfer: {loaded[2]}/{loaded[1]} draft tokens accepted; "
+          f"over the prompt computed again: {computed[2]}/{computed[1]}")
+    assert num_loaded == num_computed == len(eagle_prompts) * len(EAGLE_BUDGETS)
+    for outputs, _, _ in (loaded, computed):
+        for name in EAGLE_BUDGETS:
+            assert outputs[name] == expected[name], f"{name}: decoding a transferred prompt with {method} drafts"
+    assert 0 < loaded[2] < loaded[1], "no draft accepted (or none rejected): the test proves little"
+    assert loaded[2] == computed[2], "the drafter's KV cache did not come over whole"
+    assert 0 <= loaded[1] - computed[1] <= DRAFTS * num_loaded
 
 
 # --------------------------------------------------------------------------- memory, tiny model
