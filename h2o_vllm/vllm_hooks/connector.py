@@ -30,6 +30,7 @@ from h2o_vllm.config import h2o_config
 from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
 from h2o_vllm.kv_store import KVStore
 from h2o_vllm.transfer_orders import KVMove, NixlPeer, TransferOrders, TransferReport
+from h2o_vllm.vllm_hooks.connector_groups import check_one_h2o_group, whole_groups
 
 logger = init_logger("vllm.h2o_vllm")
 
@@ -63,7 +64,8 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
                              "or use vLLM's own connector without H2O")
         self.requests: dict[str, Any] = {}
         self.transfer = None
-        self.whole_groups = _whole_groups(kv_cache_config)
+        self.whole_groups = whole_groups(kv_cache_config)
+        check_one_h2o_group(kv_cache_config)
         self.whole_caches: list[tuple[str, int, torch.Tensor]] = []  # worker: (name, group, blocks view)
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
@@ -91,9 +93,7 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
     def _manager(self):
         from h2o_vllm.vllm_hooks.engine_core import _h2o_managers
         managers = _h2o_managers(self._kv_cache_manager)
-        if len(managers) != 1:
-            raise RuntimeError(f"{NAME} moves one H2O KV-cache group, found {len(managers)}")
-        return managers[0]
+        return managers[0]  # one: check_one_h2o_group
 
     def _group(self) -> int:
         return self._kv_cache_manager.coordinator.single_type_managers.index(self._manager())
@@ -221,9 +221,7 @@ class H2ONixlConnector(H2OConnector):
         from h2o_vllm.scheduler.spec import H2OAttentionSpec
         from h2o_vllm.scheduler.staging import Staging
         groups = [g for g in self._kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
-        if len(groups) != 1:
-            raise RuntimeError(f"{NIXL_NAME} moves one H2O KV-cache group, found {len(groups)}")
-        spec = groups[0].kv_cache_spec
+        spec = groups[0].kv_cache_spec  # one: check_one_h2o_group
         shape = StateShape(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
                            tuple(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for _, g in self.whole_groups))
         lease = float(self._kv_transfer_config.get_from_extra_config(LEASE_S, LEASE_S_DEFAULT))
@@ -290,24 +288,6 @@ class H2ONixlConnector(H2OConnector):
         if self.nixl is not None:
             self.nixl.close()
             self.nixl = None
-
-
-def _whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
-    """(index, group) of each KV-cache group H2O leaves whole: a speculative drafter's own
-    layers (a hybrid model's window groups are refused beside a connector before load,
-    ``frontend.kv_transfer_config.check_model``). Their prompt travels as whole blocks."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
-    whole = [(g, group) for g, group in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ())
-             if not isinstance(group.kv_cache_spec, H2OAttentionSpec)]
-    for _, group in whole:
-        if not isinstance(group.kv_cache_spec, FullAttentionSpec):
-            raise ValueError(f"H2O's KV connector moves H2O's state and full-attention layers kept whole; "
-                             f"{type(group.kv_cache_spec).__name__} layers ({', '.join(group.layer_names[:3])}) "
-                             "would need a transfer of their own: drop --kv-transfer-config, or turn H2O KV "
-                             "eviction off (drop --kv-eviction h2o / additional_config['h2o'])")
-    return whole
 
 
 def _rank() -> int:

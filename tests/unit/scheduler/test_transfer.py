@@ -132,6 +132,30 @@ def test_the_producer_saves_when_vllm_pads_its_prompts_last_step_with_dummy_draf
     assert save.key == state_key(PROMPT, BUDGET, BLOCK) and save.kv_len == 16
 
 
+def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
+    """Beside the H2O group's live blocks, each whole group's (a speculative drafter's
+    layers, by its own block size) first blocks up to the prompt's end: all 40 positions."""
+    _stored(tmp_path)
+    sizes = (BLOCK, 32)
+    producing = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, True, False, sizes)
+    manager = _manager()
+    producer = _request("p", PROMPT)
+    events.add_request([manager], producer, producing.prompt_len(producer))
+    manager.allocate_new_blocks("p", 40, 40)
+    drafter_ids = [[11, 12, 13, 14], [21, 22, 23]]  # the prompt and room past it
+    step = SimpleNamespace(num_scheduled_tokens={"p": 40}, scheduled_spec_decode_tokens={})
+    (save,) = producing.orders(step, {"p": producer}, manager, lambda rid: drafter_ids).saves
+    assert save.whole == ((11, 12, 13), (21, 22))
+    consuming = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, sizes)
+    consumer = _request("c", PROMPT + [7])
+    consuming.prompt_len(consumer)
+    assert consuming.matched(consumer, 0, manager) == 40
+    consuming.allocated(consumer, [5, 6], 40, [[31, 32, 33, 34], [41, 42]])
+    (load,) = consuming.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
+                               {}, manager).loads
+    assert load.whole == ((31, 32, 33), (41, 42)) and load.block_ids == (5,)
+
+
 def test_a_consumer_computing_its_prompt_stops_a_step_at_h2os_prompt_end(tmp_path):
     """The check at the prompt's end (a compaction) must see the step end there, as on the
     producer; the first token is then a decode step."""

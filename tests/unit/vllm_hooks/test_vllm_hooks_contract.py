@@ -430,6 +430,33 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     assert "static_forward_context" in {f.name for f in dataclasses.fields(CompilationConfig)}
 
 
+def test_vllm_saves_after_the_draft_pass_and_keeps_drafter_groups_beside_an_hma_connector():
+    """A drafter's own layers travel whole (``vllm_hooks.connector``): ``wait_for_save`` must
+    run after the drafter has written the prompt (V1 defers the connector's finalize while
+    speculating, to after the proposer; V2 saves in ``post_forward``, after the speculator
+    has proposed); a connector declaring ``SupportsHMA`` keeps the hybrid KV-cache manager, so
+    the drafter's layers keep a group of their own, and hears ``request_finished_all_groups``;
+    the views handed to ``register_kv_caches`` are block-major."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    execute = inspect.getsource(GPUModelRunner.execute_model)
+    assert "defer_kv_connector_finalize = self.speculative_config is not None" in execute
+    assert "defer_finalize=defer_kv_connector_finalize" in execute
+    sample = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert sample.rindex("propose_draft_token_ids(") < sample.index("self.finalize_kv_connector()")
+    v2 = inspect.getsource(V2Runner.sample_tokens)
+    assert v2.index("self.speculator.propose(") < v2.rindex("self.kv_connector.post_forward(")  # last PP rank
+    config = inspect.getsource(importlib.import_module("vllm.config.vllm"))
+    assert "KVConnectorFactory.supports_hma_config(self.kv_transfer_config)" in config
+    assert "self.connector.request_finished_all_groups(" in inspect.getsource(importlib.import_module(_SCHEDULER.split(":")[0]))
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    from h2o_vllm.vllm_hooks.connector import H2OConnector
+    assert issubclass(H2OConnector, SupportsHMA)
+    utils = inspect.getsource(importlib.import_module("vllm.v1.kv_cache_interface").create_kv_cache_views)
+    assert "[B, H, N, C]" in utils
+
+
 def test_vllm_carries_what_h2os_nixl_connector_counts_on():
     """``H2ONixlConnector``: a match of None holds the request back a step (its state is being
     read); steps with nothing scheduled still run the connector (reads progress while every

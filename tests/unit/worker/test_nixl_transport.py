@@ -24,9 +24,13 @@ def pair():
     consumer.close()
 
 
+#: A drafter's whole layer: (name, group, a block's shape, dtype), and its blocks' ids.
+WHOLE, WHOLE_IDS = ("d", 0, (HEADS, 4, 2 * HEAD_SIZE), torch.float16), ((3, 1),)
+
+
 def _layout():
     from h2o_vllm.worker.nixl_transport import StateLayout
-    return StateLayout(NAMES, HEADS, HEAD_SIZE, torch.float16)
+    return StateLayout(NAMES, HEADS, HEAD_SIZE, torch.float16, (WHOLE,))
 
 
 def _state(seed):
@@ -53,17 +57,20 @@ def _until_fetched(consumer, producer, req_id):
 
 
 def test_a_staged_state_is_read_whole_and_the_producer_hears_of_it(pair):
+    """The H2O layers' state and a drafter's whole blocks, in one run."""
     producer, consumer = pair
-    nbytes = packed_nbytes(len(NAMES), KV_LEN, HEADS, HEAD_SIZE, 2)
+    blocks = torch.randn(len(WHOLE_IDS[0]), *WHOLE[2]).half()
+    nbytes = packed_nbytes(len(NAMES), KV_LEN, HEADS, HEAD_SIZE, 2) + blocks.numel() * 2
     state = _state(0)
-    producer.stage(KVMove("p", "key", (), KV_LEN, ticket=4, offset=96, nbytes=nbytes), state)
+    producer.stage(KVMove("p", "key", (), KV_LEN, WHOLE_IDS, ticket=4, offset=96, nbytes=nbytes), state, [blocks])
     consumer.fetch(KVFetch("c", "key", 4, 96, nbytes, (producer.peer,)))
     error, reads = _until_fetched(consumer, producer, "c")
     assert error is None and reads == [(4, 0)]
-    got = consumer.take("c", KV_LEN, _layout())
+    got = consumer.take(KVMove("c", "key", (), KV_LEN, ((6, 0),)), _layout())
     for name, layer in zip(NAMES, state):
         for part, t in layer.items():
             assert torch.equal(got[f"{name}.{part}"], t)
+    assert torch.equal(got["d.blocks"], blocks)
     assert not consumer.fetched and not consumer.reads
 
 

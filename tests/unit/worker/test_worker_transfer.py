@@ -69,3 +69,25 @@ def test_saved_positions_load_into_other_blocks_unchanged(tmp_path, layout):
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """fp8 compared as its bytes (torch has no fp8 equality)."""
     return t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_a_drafters_whole_layer_travels_as_the_blocks_that_hold_the_prompt(tmp_path, dtype):
+    """A speculative drafter's layer (vLLM's attention, its cache whole): the prompt's blocks
+    by id in vLLM's block-major view, beside the H2O layer's live positions, in one file."""
+    producer, consumer = Layer(cache_views), Layer(cache_views)
+    producer.kv_cache.normal_()
+    drafter = torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE).to(dtype)
+    loaded = torch.zeros_like(drafter)
+    store = KVStore(tmp_path)
+    save = KVMove("r", "key", (5, 2), 6, whole=((4, 0, 6),))
+    transfer.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache)],
+                  lambda move, tensors: store.write_rank(move.key, 0, tensors), [("d0", 0, drafter)])
+    assert store.read_rank("key", 0)["d0.blocks"].shape == (3, HEADS, BLOCK, 2 * HEAD_SIZE)
+    load = KVMove("r", "key", (1, 3), 6, whole=((7, 2, 1),))
+    transfer.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache)],
+                  lambda move: store.read_rank(move.key, 0), [("d0", 0, loaded)])
+    for src, dst in zip(save.whole[0], load.whole[0]):
+        assert torch.equal(_bits(loaded[dst]), _bits(drafter[src]))
+    others = [b for b in range(NUM_BLOCKS) if b not in load.whole[0]]
+    assert not _bits(loaded[others]).any()
