@@ -32,11 +32,17 @@ from h2o_vllm.config import Budget
 META = "meta.json"
 
 
-def state_key(prompt_ids: Sequence[int], budget: Budget, block_size: int) -> str:
+def state_key(prompt_ids: Sequence[int], budget: Budget, block_size: int,
+              whole_layers: Sequence[Sequence[str]] = ()) -> str:
     """The name of a prompt's state: its tokens, the budget it was compacted by and the block
-    size (the default interval's unit). Engines whose budgets differ never share a state."""
+    size (the default interval's unit), and the layers a speculative drafter keeps whole, by
+    group (their blocks travel in the state). Engines whose budgets or drafters differ never
+    share a state: a decoder with another drafter, or none, computes the prompt itself."""
+    parts = [list(map(int, prompt_ids)), dataclasses.asdict(budget), block_size]
+    if whole_layers:  # keys without a drafter stay as they were
+        parts.append([list(names) for names in whole_layers])
     digest = hashlib.sha256()
-    digest.update(json.dumps([list(map(int, prompt_ids)), dataclasses.asdict(budget), block_size]).encode())
+    digest.update(json.dumps(parts).encode())
     return digest.hexdigest()
 
 

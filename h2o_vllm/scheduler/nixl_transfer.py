@@ -49,8 +49,9 @@ class StateShape:
 
 class NixlTransferScheduler(TransferScheduler):
     def __init__(self, staging: Staging, shape: StateShape, config: H2OConfig, block_size: int,
-                 world_size: int, produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = ()) -> None:
-        super().__init__(None, config, block_size, world_size, produces, consumes, whole_block_sizes)
+                 world_size: int, produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = (),
+                 whole_layers: tuple[tuple[str, ...], ...] = ()) -> None:
+        super().__init__(None, config, block_size, world_size, produces, consumes, whole_block_sizes, whole_layers)
         self.staging, self.shape = staging, shape
         self.peers: tuple[NixlPeer, ...] = ()           # this engine's ranks, from the handshake
         self.named: dict[str, tuple[str, StoredPrompt, dict]] = {}  # consumer request -> its params

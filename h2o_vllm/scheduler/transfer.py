@@ -39,10 +39,11 @@ PENDING = object()
 
 class TransferScheduler:
     def __init__(self, store: KVStore, config: H2OConfig, block_size: int, world_size: int,
-                 produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = ()) -> None:
+                 produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = (),
+                 whole_layers: tuple[tuple[str, ...], ...] = ()) -> None:
         self.store, self.config, self.block_size = store, config, block_size
-        #: The block size of each whole KV-cache group (a speculative drafter's own layers).
-        self.whole_block_sizes = whole_block_sizes
+        #: The block size and the layers of each whole KV-cache group (a speculative drafter's own).
+        self.whole_block_sizes, self.whole_layers = whole_block_sizes, whole_layers
         self.world_size, self.produces, self.consumes = world_size, produces, consumes
         self.continuations: dict[str, tuple[str, StoredPrompt]] = {}  # consumer request -> its state
         self.whole: set[str] = set()                            # continuations whose files were checked
@@ -56,7 +57,7 @@ class TransferScheduler:
         params = request.sampling_params
         config = request_config(self.config, params.extra_args if params is not None else None)
         budget = config.budget(prompt_len, self.block_size)
-        return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size)
+        return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size, self.whole_layers)
 
     def continue_from_params(self, request):
         """vLLM's own P/D protocol (its disaggregation proxy): the decoder gets the original

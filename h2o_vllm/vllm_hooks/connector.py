@@ -73,7 +73,8 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=vllm_config.cache_config.block_size,
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
                 produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer,
-                whole_block_sizes=tuple(g.kv_cache_spec.block_size for _, g in self.whole_groups)))
+                whole_block_sizes=tuple(g.kv_cache_spec.block_size for _, g in self.whole_groups),
+                whole_layers=tuple(tuple(sorted(g.layer_names)) for _, g in self.whole_groups)))
 
     def _make_transfer(self, config, common: dict):
         raise NotImplementedError

@@ -156,6 +156,18 @@ def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
     assert load.whole == ((31, 32, 33), (41, 42)) and load.block_ids == (5,)
 
 
+def test_a_decoder_with_another_drafter_or_none_computes_the_prompt_itself(tmp_path):
+    """The drafter's layers name the state: a decoder whose whole layers differ from the
+    producer's (another drafter, or none) finds no state, so never loads blocks it has no
+    layers for, or leaves its own drafter's without."""
+    _stored(tmp_path)  # saved by an engine without a drafter
+    for layers in ((("draft.layers.0.attn",),), (("eagle.layers.0.attn",),)):
+        decoder = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, (BLOCK,), layers)
+        assert decoder.prompt_len(_request("c", PROMPT + [7])) == 41  # no state: vLLM's prompt
+    assert state_key(PROMPT, BUDGET, BLOCK, [("a",)]) != state_key(PROMPT, BUDGET, BLOCK, [("b",)])
+    assert state_key(PROMPT, BUDGET, BLOCK, ()) == state_key(PROMPT, BUDGET, BLOCK)
+
+
 def test_a_consumer_computing_its_prompt_stops_a_step_at_h2os_prompt_end(tmp_path):
     """The check at the prompt's end (a compaction) must see the step end there, as on the
     producer; the first token is then a decode step."""
