@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class KVMove:
-    """One request's live KV positions ``[0, kv_len)`` in ``block_ids`` (its H2O group's
-    blocks, in order), to or from the stored state ``key``; and the blocks of each whole group
-    (a speculative drafter's own layers, every position kept) that hold the prompt."""
+    """One request's live KV positions ``[0, kv_len)`` in ``block_ids`` (each H2O group's
+    blocks, in order: vLLM splits a target into several beside a drafter with fewer layers),
+    to or from the stored state ``key``; and the blocks of each whole group (a speculative
+    drafter's own layers, every position kept) that hold the prompt."""
     req_id: str
     key: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     kv_len: int
     whole: tuple[tuple[int, ...], ...] = ()
     #: Where the state sits in the producer's NIXL staging space (0 on shared storage).

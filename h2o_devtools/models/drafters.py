@@ -105,8 +105,12 @@ def build_eagle_head(target_dir: str | os.PathLike, out_dir: str | os.PathLike) 
 
 
 def build_mirrored_eagle3_pair(target_dir: str | os.PathLike, head_dir: str | os.PathLike,
-                               **sizes) -> tuple[Path, Path]:
+                               dead_layers: int = 0, **sizes) -> tuple[Path, Path]:
     """A one-layer Llama target and an EAGLE-3 head that mirrors it (``"method": "eagle3"``).
+    With ``dead_layers`` the target has that many more layers, whose attention runs (H2O
+    scores and evicts there) but writes nothing (o_proj and MLP 0): the target's tokens stay
+    the first layer's, and vLLM splits the target into one KV-cache group per layer beside
+    the head's, as it does a real target beside a one-layer head.
 
     vLLM's EAGLE-3 head (``Eagle3LlamaForCausalLM``) runs one decoder layer whose attention
     reads ``[input_layernorm(next token's embedding) | hidden_norm(fc(target's aux hidden
@@ -132,7 +136,7 @@ def build_mirrored_eagle3_pair(target_dir: str | os.PathLike, head_dir: str | os
     import torch
     from safetensors.torch import save_file
 
-    target, out = build_tiny_llama(target_dir, **{"num_layers": 1, **sizes}), Path(head_dir)
+    target, out = build_tiny_llama(target_dir, **{**sizes, "num_layers": 1 + dead_layers}), Path(head_dir)
     weights = _mirrored(target)
     embed = weights["model.embed_tokens.weight"]
     hidden = embed.shape[1]
@@ -141,6 +145,9 @@ def build_mirrored_eagle3_pair(target_dir: str | os.PathLike, head_dir: str | os
     weights["model.embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
     weights["model.layers.0.self_attn.o_proj.weight"][:half] = 0
     weights["model.layers.0.mlp.down_proj.weight"].zero_()
+    for dead in range(1, 1 + dead_layers):
+        weights[f"model.layers.{dead}.self_attn.o_proj.weight"].zero_()
+        weights[f"model.layers.{dead}.mlp.down_proj.weight"].zero_()
     weights["lm_head.weight"][:, :half] = 0
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
 

@@ -127,13 +127,13 @@ class NixlTransferScheduler(TransferScheduler):
 
     # NIXL's own.
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int, whole_ids=()) -> None:
+    def allocated(self, request, block_ids, num_external_tokens: int, whole_ids=()) -> None:
         super().allocated(request, block_ids, num_external_tokens, whole_ids)
         if any(move.req_id == request.request_id for move in self.loads):
             self.fetching.pop(request.request_id, None)  # the load takes the fetched bytes
 
-    def orders(self, scheduler_output, requests, manager, whole_ids=lambda rid: ()) -> TransferOrders:
-        orders = super().orders(scheduler_output, requests, manager, whole_ids)
+    def orders(self, scheduler_output, requests, managers, whole_ids=lambda rid: ()) -> TransferOrders:
+        orders = super().orders(scheduler_output, requests, managers, whole_ids)
         orders.fetches, self.fetches = self.fetches, []
         orders.forgets, self.forgets = self.forgets, []
         metrics.recorder().set(kv_transfer_staging_bytes=self.staging.used)

@@ -111,11 +111,11 @@ class TransferScheduler:
         self.continuations[request.request_id] = (key, stored)
         return n - 1
 
-    def matched(self, request, num_local_computed: int, manager) -> int | None:
+    def matched(self, request, num_local_computed: int, managers: Sequence) -> int | None:
         """Tokens the consumer loads for a waiting ``request`` (vLLM's
         ``get_num_new_matched_tokens``): its whole H2O prompt, when nothing is computed yet and
         the state is whole; None while it is still on its way (vLLM asks again next step);
-        else 0 (it computes the prompt itself)."""
+        else 0 (it computes the prompt itself). ``managers``: the H2O groups' managers."""
         rid = request.request_id
         self.loading.pop(rid, None)
         found = self.continuations.get(rid)
@@ -123,7 +123,8 @@ class TransferScheduler:
         # must not hold KV space for a load that never comes.
         if (found is None or request.num_computed_tokens or num_local_computed or request.num_preemptions
                 or request.skip_reading_prefix_cache):
-            manager.unload(rid)
+            for manager in managers:
+                manager.unload(rid)
             if found is not None:
                 self._forget(rid)
             return 0
@@ -134,14 +135,16 @@ class TransferScheduler:
         if flaw is not None:
             del self.continuations[rid]  # computed here from now on; H2O's prompt stays L
             self._forget(rid)
-            manager.unload(rid)
+            for manager in managers:
+                manager.unload(rid)
             self.num_recomputed += 1
             metrics.recorder().add(kv_transfer_recomputed_prompts=1)
             logger.warning("h2o: request %s recomputes its prompt instead of loading the producer's "
                            "KV state: %s", rid, flaw)
             return 0
         self.whole.add(rid)  # vLLM asks again each step the request waits for blocks
-        manager.load(rid, stored.prompt_len, stored.kv_len)
+        for manager in managers:
+            manager.load(rid, stored.prompt_len, stored.kv_len)
         self.loading[rid] = found
         return stored.prompt_len
 
@@ -179,28 +182,29 @@ class TransferScheduler:
         return tuple(tuple(ids[:cdiv(num_tokens, size)])
                      for ids, size in zip(group_ids, self.whole_block_sizes, strict=True))
 
-    def allocated(self, request, block_ids: list[int], num_external_tokens: int,
+    def allocated(self, request, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
                   whole_ids: Sequence[Sequence[int]] = ()) -> None:
-        """vLLM allocated ``request``'s blocks (its H2O group's ``block_ids``, each whole
+        """vLLM allocated ``request``'s blocks (each H2O group's ``block_ids``, each whole
         group's ``whole_ids``) for a load."""
         found = self.loading.pop(request.request_id, None)
         if found is None or not num_external_tokens:
             return
         key, stored = found
-        self.loads.append(KVMove(request.request_id, key,
-                                 tuple(block_ids[:cdiv(stored.kv_len, self.block_size)]), stored.kv_len,
+        live = tuple(tuple(ids[:cdiv(stored.kv_len, self.block_size)]) for ids in block_ids)
+        self.loads.append(KVMove(request.request_id, key, live, stored.kv_len,
                                  whole=self._whole(whole_ids, stored.prompt_len)))
         self.num_loaded += 1
         metrics.recorder().add(kv_transfer_loaded_prompts=1)
 
-    def orders(self, scheduler_output, requests, manager,
+    def orders(self, scheduler_output, requests, managers: Sequence,
                whole_ids: Callable[[str], Sequence[Sequence[int]]] = lambda rid: ()) -> TransferOrders:
         """This step's orders: prompt lengths, the loads allocated since the last step, and
-        the saves of producer requests whose prompt ends with this step (``whole_ids``: a
-        request's blocks in each whole group). Called while vLLM builds the step's output,
+        the saves of producer requests whose prompt ends with this step (``managers``: the H2O
+        groups', which share one plan; ``whole_ids``: a request's blocks in each whole group). Called while vLLM builds the step's output,
         before it advances the requests' computed tokens."""
         orders = TransferOrders(loads=self.loads)
         self.loads = []
+        manager = managers[0]  # every H2O group runs the same plan: prompt, budget, kv_len
         for rid, num_new in scheduler_output.num_scheduled_tokens.items():
             # Drafts are no prompt tokens (nor is vLLM's padding of a one-token step).
             num_new -= len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
@@ -213,7 +217,8 @@ class TransferScheduler:
                 budget = manager.budgets.resolve(rid, prompt_len)
                 kv_len = kv_len_after(prompt_len, prompt_len, budget)
                 key = self._key(request, prompt_len)
-                move = self._staged(request, KVMove(rid, key, tuple(manager.live_block_ids(rid, kv_len)), kv_len,
+                live = tuple(tuple(m.live_block_ids(rid, kv_len)) for m in managers)
+                move = self._staged(request, KVMove(rid, key, live, kv_len,
                                                     whole=self._whole(whole_ids(rid), prompt_len)))
                 if move is not None:
                     orders.saves.append(move)
@@ -239,3 +244,4 @@ class TransferScheduler:
         self._forget(rid)
         return {"h2o_kv_key": key, "h2o_kv_tokens": kv_len, "h2o_prompt_tokens": prompt_len,
                 "h2o_first_token": first, **named}
+

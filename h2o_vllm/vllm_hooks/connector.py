@@ -30,7 +30,7 @@ from h2o_vllm.config import h2o_config
 from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
 from h2o_vllm.kv_store import KVStore
 from h2o_vllm.transfer_orders import KVMove, NixlPeer, TransferOrders, TransferReport
-from h2o_vllm.vllm_hooks.connector_groups import check_one_h2o_group, whole_groups
+from h2o_vllm.vllm_hooks.connector_groups import h2o_group_of, whole_groups
 
 logger = init_logger("vllm.h2o_vllm")
 
@@ -65,7 +65,7 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
         self.requests: dict[str, Any] = {}
         self.transfer = None
         self.whole_groups = whole_groups(kv_cache_config)
-        check_one_h2o_group(kv_cache_config)
+        self.h2o_group_of = h2o_group_of(kv_cache_config)
         self.whole_caches: list[tuple[str, int, torch.Tensor]] = []  # worker: (name, group, blocks view)
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
@@ -91,23 +91,25 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
 
     # Scheduler side.
 
-    def _manager(self):
+    def _managers(self) -> list:
+        """The H2O groups' managers, in group order (as ``h2o_group_of`` numbers them)."""
         from h2o_vllm.vllm_hooks.engine_core import _h2o_managers
-        managers = _h2o_managers(self._kv_cache_manager)
-        return managers[0]  # one: check_one_h2o_group
+        return _h2o_managers(self._kv_cache_manager)
 
-    def _group(self) -> int:
-        return self._kv_cache_manager.coordinator.single_type_managers.index(self._manager())
+    def _h2o_ids(self, ids) -> list[list[int]]:
+        """Each H2O group's part of a request's block ids (all groups')."""
+        managers = self._kv_cache_manager.coordinator.single_type_managers
+        return [ids[managers.index(m)] for m in self._managers()]
 
     def on_new_request(self, request) -> None:
         self.requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.transfer.matched(request, num_computed_tokens, self._manager()), False
+        return self.transfer.matched(request, num_computed_tokens, self._managers()), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids()
-        self.transfer.allocated(request, ids[self._group()], num_external_tokens,
+        self.transfer.allocated(request, self._h2o_ids(ids), num_external_tokens,
                                 [ids[g] for g, _ in self.whole_groups])
 
     def _whole_ids(self, req_id: str) -> list[list[int]]:
@@ -115,7 +117,7 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
         return [ids[g] for g, _ in self.whole_groups]
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return H2OConnectorMetadata(self.transfer.orders(scheduler_output, self.requests, self._manager(),
+        return H2OConnectorMetadata(self.transfer.orders(scheduler_output, self.requests, self._managers(),
                                                          self._whole_ids))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
@@ -128,12 +130,13 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
     # Worker side.
 
     def _layers(self):
-        """(name, impl, kv_cache) of each H2O attention layer (read from the config, not the
-        forward context: Model Runner V2 saves after it has closed)."""
+        """(name, impl, kv_cache, H2O group) of each H2O attention layer (read from the config,
+        not the forward context: Model Runner V2 saves after it has closed). A drafter's
+        layers run H2O's backend too, with their cache whole: their group says which they are."""
         for name, layer in self._vllm_config.compilation_config.static_forward_context.items():
             impl = getattr(layer, "impl", None)
-            if getattr(impl, "h2o", None) is not None and hasattr(impl, "cache_state"):
-                yield name, impl, layer.kv_cache
+            if name in self.h2o_group_of and hasattr(impl, "cache_state"):
+                yield name, impl, layer.kv_cache, self.h2o_group_of[name]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keep the whole groups' layers: vLLM's block-major views, one block per manager block."""
@@ -222,8 +225,9 @@ class H2ONixlConnector(H2OConnector):
         from h2o_vllm.scheduler.spec import H2OAttentionSpec
         from h2o_vllm.scheduler.staging import Staging
         groups = [g for g in self._kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
-        spec = groups[0].kv_cache_spec  # one: check_one_h2o_group
-        shape = StateShape(len(groups[0].layer_names), spec.num_kv_heads, spec.head_size, spec.dtype.itemsize,
+        spec = groups[0].kv_cache_spec  # every H2O group's layers are alike: one shape, packed by name
+        shape = StateShape(sum(len(g.layer_names) for g in groups), spec.num_kv_heads, spec.head_size,
+                           spec.dtype.itemsize,
                            tuple(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for _, g in self.whole_groups))
         lease = float(self._kv_transfer_config.get_from_extra_config(LEASE_S, LEASE_S_DEFAULT))
         staging = Staging(self._staging_bytes(), common["world_size"], lease)
@@ -245,7 +249,7 @@ class H2ONixlConnector(H2OConnector):
         from h2o_vllm.worker.nixl_transport import NixlTransport, StateLayout
         super().register_kv_caches(kv_caches)
         layers = sorted(self._layers(), key=lambda layer: layer[0])
-        views, _ = layers[0][1].cache_state(layers[0][2])
+        views, _ = layers[0][1].cache_state(layers[0][2])  # the H2O layers are alike
         _, _, kv_heads, head_size = views.keys.shape
         whole = []
         for name, group, cache in self.whole_caches:
@@ -254,7 +258,7 @@ class H2ONixlConnector(H2OConnector):
                 raise RuntimeError(f"{NIXL_NAME}: a block of {name} holds {cache[0].numel() * cache.element_size()} "
                                    f"bytes where its KV-cache spec says {page}")
             whole.append((name, group, tuple(cache.shape[1:]), cache.dtype))
-        self.layout = StateLayout(tuple(name for name, _, _ in layers), kv_heads, head_size, views.keys.dtype,
+        self.layout = StateLayout(tuple(layer[0] for layer in layers), kv_heads, head_size, views.keys.dtype,
                                   tuple(whole))
         rank = _rank()
         name = f"h2o-{self._kv_transfer_config.engine_id}-dp{self._vllm_config.parallel_config.data_parallel_index}-tp{rank}"

@@ -1,6 +1,6 @@
 """Which KV-cache groups H2O's connectors move, read from vLLM's ``KVCacheConfig`` when a
 connector is built (the engine has loaded the model and formed its groups; no request has
-run): the one H2O group, whose kept state travels, and a speculative drafter's groups, which
+run): the H2O groups, whose kept state travels, and a speculative drafter's groups, which
 H2O leaves whole and which travel as the blocks that hold the prompt. Anything else is
 refused there, naming the way out.
 """
@@ -27,20 +27,12 @@ def whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
     return whole
 
 
-def check_one_h2o_group(kv_cache_config) -> None:
-    """H2O's connectors move one H2O KV-cache group. vLLM forms several beside a speculative
-    drafter's whole group when the drafter has far fewer layers than the target (it groups
-    layers in equal numbers: an EAGLE head's one layer beside a 30-layer target makes 30).
-    Refused when the engine starts, before any request: the transfer orders name one group's
-    blocks, and a request would otherwise fail mid-way."""
+def h2o_group_of(kv_cache_config) -> dict[str, int]:
+    """Each H2O layer's group, numbered in group order among the H2O groups: vLLM splits a
+    target into several beside a drafter with fewer layers (it groups layers in equal numbers:
+    an EAGLE head's one layer beside a 30-layer target makes 30). Every group runs the same
+    plan; each has its own blocks (``KVMove.block_ids``)."""
     from h2o_vllm.scheduler.spec import H2OAttentionSpec
     groups = [g for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ())
               if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
-    if len(groups) > 1:
-        raise ValueError(
-            f"H2O's KV connector (--kv-transfer-config) moves one H2O KV-cache group, and vLLM split this "
-            f"model's layers into {len(groups)} beside the speculative drafter's own (it groups layers in "
-            "equal numbers, so a drafter with far fewer layers than the target splits it): draft with n-gram "
-            "lookup ('{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'), "
-            "or with a draft model of more than two thirds of the target's layers, or drop --speculative-config "
-            "or --kv-transfer-config, or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])")
+    return {name: i for i, group in enumerate(groups) for name in group.layer_names}

@@ -33,23 +33,29 @@ class StatefulLayer(Protocol):
         """(the device's views of ``kv_cache``, the layer's score buffer)."""
 
 
-def _slots(move: KVMove, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    pos = torch.arange(move.kv_len)
-    blocks = torch.tensor(move.block_ids, dtype=torch.int64)[pos // block_size]
+#: An H2O layer to move: (name, the layer, its KV cache, its H2O group's index in
+#: ``KVMove.block_ids``).
+H2OLayer = tuple[str, StatefulLayer, torch.Tensor, int]
+
+
+def _slots(block_ids: tuple[int, ...], kv_len: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(kv_len)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // block_size]
     return blocks.to(device), (pos % block_size).to(device)
 
 
-def read_state(views, scores: torch.Tensor, move: KVMove) -> dict[str, torch.Tensor]:
-    """K, V and scores of ``move``'s live positions, on the CPU."""
-    blocks, offsets = _slots(move, views.keys.shape[1], views.keys.device)
+def read_state(views, scores: torch.Tensor, block_ids: tuple[int, ...], kv_len: int) -> dict[str, torch.Tensor]:
+    """K, V and scores of live positions ``[0, kv_len)`` in ``block_ids``, on the CPU."""
+    blocks, offsets = _slots(block_ids, kv_len, views.keys.shape[1], views.keys.device)
     return {"k": views.keys[blocks, offsets].cpu(), "v": views.values[blocks, offsets].cpu(),
             "scores": scores[blocks, :, offsets].cpu()}
 
 
-def write_state(views, scores: torch.Tensor, move: KVMove, state: dict[str, torch.Tensor]) -> None:
-    """``read_state``'s inverse: the positions' K, V and scores into ``move``'s blocks."""
+def write_state(views, scores: torch.Tensor, block_ids: tuple[int, ...], kv_len: int,
+                state: dict[str, torch.Tensor]) -> None:
+    """``read_state``'s inverse: the positions' K, V and scores into ``block_ids``."""
     device = views.keys.device
-    blocks, offsets = _slots(move, views.keys.shape[1], device)
+    blocks, offsets = _slots(block_ids, kv_len, views.keys.shape[1], device)
     views.keys[blocks, offsets] = state["k"].to(device, views.keys.dtype)
     views.values[blocks, offsets] = state["v"].to(device, views.values.dtype)
     scores[blocks, :, offsets] = state["scores"].to(device, torch.float32)
@@ -69,35 +75,36 @@ def write_blocks(cache: torch.Tensor, block_ids: tuple[int, ...], blocks: torch.
     cache[torch.tensor(block_ids, dtype=torch.int64, device=cache.device)] = blocks.to(cache.device, cache.dtype)
 
 
-def save(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
+def save(orders: TransferOrders, layers: Iterable[H2OLayer],
          write: Callable[[KVMove, dict[str, torch.Tensor]], int], whole: Iterable[WholeLayer] = ()) -> int:
     """Each ordered save's tensors of this rank's heads to ``write``; returns the bytes written."""
     if not orders.saves:
         return 0
-    states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
+    states = [(name, *layer.cache_state(kv_cache), group) for name, layer, kv_cache, group in layers]
     whole = list(whole)
     written = 0
     for move in orders.saves:
         tensors = {}
-        for name, views, scores in states:
-            tensors.update({f"{name}.{part}": t for part, t in read_state(views, scores, move).items()})
+        for name, views, scores, group in states:
+            state = read_state(views, scores, move.block_ids[group], move.kv_len)
+            tensors.update({f"{name}.{part}": t for part, t in state.items()})
         for name, group, cache in whole:
             tensors[f"{name}.blocks"] = read_blocks(cache, move.whole[group])
         written += write(move, tensors)
     return written
 
 
-def load(orders: TransferOrders, layers: Iterable[tuple[str, StatefulLayer, torch.Tensor]],
+def load(orders: TransferOrders, layers: Iterable[H2OLayer],
          read: Callable[[KVMove], dict[str, torch.Tensor]], whole: Iterable[WholeLayer] = ()) -> None:
     """Each ordered load from ``read`` (the scheduler checked the state is whole)."""
     if not orders.loads:
         return
-    states = [(name, *layer.cache_state(kv_cache)) for name, layer, kv_cache in layers]
+    states = [(name, *layer.cache_state(kv_cache), group) for name, layer, kv_cache, group in layers]
     whole = list(whole)
     for move in orders.loads:
         stored = read(move)
-        for name, views, scores in states:
-            write_state(views, scores, move,
+        for name, views, scores, group in states:
+            write_state(views, scores, move.block_ids[group], move.kv_len,
                         {part: stored[f"{name}.{part}"] for part in ("k", "v", "scores")})
         for name, group, cache in whole:
             write_blocks(cache, move.whole[group], stored[f"{name}.blocks"])

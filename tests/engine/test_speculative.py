@@ -143,19 +143,22 @@ def test_draft_model_h2o_equals_the_dense_oracle_with_drafts_accepted(draft_mode
             assert outputs[name] == oracle_outputs[name], f"{name}: H2O with a draft model left the oracle"
 
 
-def _transferred_matrix(model_dir, prompts, store):
+def _transferred_matrix(model_dir, prompts, store, speculative_config=NGRAM, budgets=BUDGETS):
     """Disaggregated prefill and decode through one engine in both KV-transfer roles
-    (``kv_both``, as NIXL deployments run each side), drafting with n-gram lookup: the matrix
-    prefilled for its first token (each compacted prompt saved), then continued from the
-    saved states, as vLLM's P/D examples run a decoder. Prefix caching off, so that every
-    continuation loads. Returns the continuation's matrix and the states loaded."""
+    (``kv_both``, as NIXL deployments run each side): the matrix prefilled for its first
+    token (each compacted prompt saved), then continued from the saved states, as vLLM's P/D
+    examples run a decoder. Prefix caching off, so that every continuation loads. Returns the
+    continuation's matrix, the states loaded and the engine's KV-cache groups."""
     kv_transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=NGRAM, disable_log_stats=False,
-                     enable_prefix_caching=False, kv_transfer_config=kv_transfer, additional_config={"h2o": {}}) as llm:
-        produced, _, _ = _run_matrix(llm, prompts, max_tokens=1)
-        continued = _run_matrix(llm, prompts, firsts=produced)
-        return continued, scheduler_of(llm).connector.transfer.num_loaded
+    with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=speculative_config,
+                     disable_log_stats=False, enable_prefix_caching=False, kv_transfer_config=kv_transfer,
+                     additional_config={"h2o": {}}) as llm:
+        produced, _, _ = _run_matrix(llm, prompts, budgets, max_tokens=1)
+        continued = _run_matrix(llm, prompts, budgets, firsts=produced)
+        scheduler = scheduler_of(llm)
+        managers = [type(m).__name__ for m in scheduler.kv_cache_manager.coordinator.single_type_managers]
+        return continued, scheduler.connector.transfer.num_loaded, managers
 
 
 def test_ngram_h2o_decoding_transferred_prompts_equals_the_dense_oracle(smollm2_dir, prompts, oracle_outputs,
@@ -164,7 +167,7 @@ def test_ngram_h2o_decoding_transferred_prompts_equals_the_dense_oracle(smollm2_
     state the connector carries is all a decoder drafting with them needs. Every continuation
     loads its prompt's compacted state and equals the oracle over the budget matrix, with
     drafts accepted and rejected (vLLM's counters)."""
-    (outputs, drafts, accepted), loaded = in_fresh_process(_transferred_matrix, smollm2_dir, prompts, tmp_path)
+    (outputs, drafts, accepted), loaded, _ = in_fresh_process(_transferred_matrix, smollm2_dir, prompts, tmp_path)
     print(f"n-gram with H2O after a KV transfer: {accepted}/{drafts} draft tokens accepted")
     assert loaded == len(prompts) * len(BUDGETS)
     assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
@@ -193,6 +196,22 @@ def test_a_smaller_draft_model_splitting_the_target_into_several_h2o_groups_equa
     assert drafts > 0
     for name in SMALL_DRAFTER_BUDGETS:
         assert outputs[name] == oracle_outputs[name], f"{name}: H2O beside a smaller draft model left the oracle"
+
+
+def test_a_smaller_draft_model_decoding_transferred_prompts_equals_the_oracle(
+        smollm2_dir, smollm2_4_layers_dir, prompts, oracle_outputs, tmp_path):
+    """A drafter with layers of its own beside a KV connector, on a target vLLM splits into
+    eight H2O KV-cache groups (SmolLM2 beside its first four layers): each group's kept state
+    moves by its own blocks, the drafter's by the blocks that hold the prompt; every
+    continuation loads, and the tokens are the oracle's (every layer counts here, unlike the
+    tiny EAGLE-3 target's, so a group's state in another's blocks would show)."""
+    draft = {"method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": DRAFTS}
+    (outputs, drafts, _), loaded, groups = in_fresh_process(
+        _transferred_matrix, smollm2_dir, prompts, tmp_path, draft, SMALL_DRAFTER_BUDGETS)
+    assert groups.count("H2OManager") > 1 and "FullAttentionManager" in groups, groups
+    assert loaded == len(prompts) * len(SMALL_DRAFTER_BUDGETS) and drafts > 0
+    for name in SMALL_DRAFTER_BUDGETS:
+        assert outputs[name] == oracle_outputs[name], f"{name}: decoding a transferred prompt beside a draft model"
 
 
 # --------------------------------------------------------------------------- EAGLE, tiny models
@@ -271,31 +290,35 @@ def _eagle_transferred(target, prompts, speculative_config, store):
         for rank_file in store.glob("*/rank*.safetensors"):
             rank_file.unlink()
         computed = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS, produced)
-        transfer = scheduler_of(llm).connector.transfer
-        return loaded, computed, transfer.num_loaded, transfer.num_recomputed
+        scheduler = scheduler_of(llm)
+        managers = [type(m).__name__ for m in scheduler.kv_cache_manager.coordinator.single_type_managers]
+        return loaded, computed, scheduler.connector.transfer.num_loaded, scheduler.connector.transfer.num_recomputed, managers
 
 
-@pytest.mark.parametrize("method", ["eagle3"])
-def test_a_model_drafter_decoding_transferred_prompts_drafts_as_over_its_own_prefill(
-        mirrored_drafter, eagle_prompts, method, tmp_path):
+def test_a_model_drafter_decoding_transferred_prompts_drafts_as_over_its_own_prefill(eagle_prompts, tmp_path):
     """P/D with EAGLE-3, the usual GPU deployment: the connector carries the target's H2O
-    state and the drafter's own layers, whole, as the blocks that hold the prompt. Every
-    continuation loads and equals the oracle over the budget matrix. Outputs are exact whatever
+    state and the drafter's own layers, whole, as the blocks that hold the prompt. The target
+    has three layers beside the head's one, so vLLM splits it into three H2O KV-cache groups,
+    as it splits a real target (``build_mirrored_eagle3_pair``'s dead layers): each moves by
+    its own blocks. Every continuation loads and equals the oracle over the budget matrix. Outputs are exact whatever
     the drafter's cache holds, so acceptance is what shows its KV came over: a decoder that
     loads accepts exactly the drafts of one that computes the prompt itself (42 of them; with
     the drafter's blocks not loaded, 12). vLLM counts the dummy drafts it pads a loaded
     request's first step with (``scheduler.events.drop_padding``) as drafted, so the loading
     run drafts up to ``DRAFTS`` more per request, all rejected."""
-    target, spec = mirrored_drafter(method, DRAFTS)
+    from h2o_devtools.models import drafters
+    target, head = drafters.build_mirrored_eagle3_pair(tmp_path / "target", tmp_path / "head", dead_layers=2)
+    spec = {"method": "eagle3", "num_speculative_tokens": DRAFTS, "model": str(head)}
     expected = _eagle_oracle(target, eagle_prompts)
-    (loaded, computed, num_loaded, num_computed) = in_fresh_process(
-        _eagle_transferred, target, eagle_prompts, spec, tmp_path)
-    print(f"{method} with H2O after a KV transfer: {loaded[2]}/{loaded[1]} draft tokens accepted; "
-          f"over the prompt computed again: {computed[2]}/{computed[1]}")
+    (loaded, computed, num_loaded, num_computed, managers) = in_fresh_process(
+        _eagle_transferred, target, eagle_prompts, spec, tmp_path / "store")
+    print(f"EAGLE-3 with H2O after a KV transfer: {loaded[2]}/{loaded[1]} draft tokens accepted; "
+          f"over the prompt computed again: {computed[2]}/{computed[1]}; groups {managers}")
+    assert sorted(managers) == ["FullAttentionManager"] + ["H2OManager"] * 3, managers
     assert num_loaded == num_computed == len(eagle_prompts) * len(EAGLE_BUDGETS)
     for outputs, _, _ in (loaded, computed):
         for name in EAGLE_BUDGETS:
-            assert outputs[name] == expected[name], f"{name}: decoding a transferred prompt with {method} drafts"
+            assert outputs[name] == expected[name], f"{name}: decoding a transferred prompt with EAGLE-3 drafts"
     assert 0 < loaded[2] < loaded[1], "no draft accepted (or none rejected): the test proves little"
     assert loaded[2] == computed[2], "the drafter's KV cache did not come over whole"
     assert 0 <= loaded[1] - computed[1] <= DRAFTS * num_loaded

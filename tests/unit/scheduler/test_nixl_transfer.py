@@ -30,7 +30,7 @@ def _produce(transfer, manager, rid="p", kv=REMOTE_DECODE):
     request = Request(rid, list(PROMPT), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv}), None)
     events.add_request([manager], request, transfer.prompt_len(request))
     manager.allocate_new_blocks(rid, 40, 40)
-    return request, transfer.orders(SimpleNamespace(num_scheduled_tokens={rid: 40}, scheduled_spec_decode_tokens={}), {rid: request}, manager)
+    return request, transfer.orders(SimpleNamespace(num_scheduled_tokens={rid: 40}, scheduled_spec_decode_tokens={}), {rid: request}, [manager])
 
 
 def test_the_producer_stages_requests_sent_for_remote_decode_and_names_the_space():
@@ -80,18 +80,18 @@ def test_the_decoder_reads_first_then_loads_once_every_rank_has_read():
     transfer, manager = _nixl(world_size=2), _manager()
     request = _decoder(transfer, manager, peers=PEERS * 2)
     assert request.prompt_token_ids == PROMPT + [7] and manager.prompt_len_of(request) == 40
-    assert transfer.matched(request, 0, manager) is None
-    assert transfer.matched(request, 0, manager) is None  # asked again: one read only
-    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, manager)
+    assert transfer.matched(request, 0, [manager]) is None
+    assert transfer.matched(request, 0, [manager]) is None  # asked again: one read only
+    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, [manager])
     (fetch,) = orders.fetches
     assert (fetch.req_id, fetch.ticket, fetch.offset, len(fetch.peers)) == ("c", 5, 128, 2)
     transfer.update(TransferReport(fetched={"c": {0: None}}))
-    assert transfer.matched(request, 0, manager) is None  # rank 1 still reading
+    assert transfer.matched(request, 0, [manager]) is None  # rank 1 still reading
     transfer.update(TransferReport(fetched={"c": {1: None}}))
-    assert transfer.matched(request, 0, manager) == 40
-    transfer.allocated(request, [3, 4], 40)
-    (load,) = transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, manager).loads
-    assert load.block_ids == (3,) and load.kv_len == 16 and not transfer.fetching
+    assert transfer.matched(request, 0, [manager]) == 40
+    transfer.allocated(request, [[3, 4]], 40)
+    (load,) = transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, [manager]).loads
+    assert load.block_ids == ((3,),) and load.kv_len == 16 and not transfer.fetching
     transfer.finished(request)
     assert not transfer.named and not transfer.forgets
 
@@ -99,21 +99,21 @@ def test_the_decoder_reads_first_then_loads_once_every_rank_has_read():
 def test_a_failed_read_or_another_world_size_computes_the_prompt_here():
     transfer, manager = _nixl(), _manager()
     request = _decoder(transfer, manager)
-    assert transfer.matched(request, 0, manager) is None
+    assert transfer.matched(request, 0, [manager]) is None
     transfer.update(TransferReport(fetched={"c": {0: "NIXL reported an error reading from p0"}}))
-    assert transfer.matched(request, 0, manager) == 0 and transfer.num_recomputed == 1
-    assert transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, manager).forgets == ["c"]
+    assert transfer.matched(request, 0, [manager]) == 0 and transfer.num_recomputed == 1
+    assert transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, [manager]).forgets == ["c"]
     assert manager.prompt_len_of(request) == 40  # still the producer's request continued
     two = _decoder(transfer, _manager(), "d", peers=PEERS * 2)
-    assert transfer.matched(two, 0, manager) == 0 and not transfer.fetching
+    assert transfer.matched(two, 0, [manager]) == 0 and not transfer.fetching
 
 
 def test_a_decoder_request_that_ends_while_reading_drops_its_read():
     transfer, manager = _nixl(), _manager()
     request = _decoder(transfer, manager)
-    assert transfer.matched(request, 0, manager) is None
+    assert transfer.matched(request, 0, [manager]) is None
     transfer.finished(request)
-    assert transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, manager).forgets == ["c"]
+    assert transfer.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}), {}, [manager]).forgets == ["c"]
 
 
 def test_a_request_that_gave_up_its_read_for_a_local_hit_computes_its_prompt_after():
@@ -121,8 +121,8 @@ def test_a_request_that_gave_up_its_read_for_a_local_hit_computes_its_prompt_aft
     request computes its prompt (it cannot read any more), never a KeyError."""
     transfer, manager = _nixl(), _manager()
     request = _decoder(transfer, manager)
-    assert transfer.matched(request, 16, manager) == 0  # a local hit: no read
-    assert transfer.matched(request, 0, manager) == 0 and transfer.num_recomputed == 1
+    assert transfer.matched(request, 16, [manager]) == 0  # a local hit: no read
+    assert transfer.matched(request, 0, [manager]) == 0 and transfer.num_recomputed == 1
     assert not transfer.fetching
 
 

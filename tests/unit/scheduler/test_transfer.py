@@ -58,7 +58,7 @@ def test_a_committed_prompt_plus_its_first_token_continues_the_producers_request
     assert transfer.prompt_len(_request("y", PROMPT[1:] + [7])) == 40
     assert _transfer(tmp_path, consumes=False).prompt_len(consumer) == 41
     # It loads its 16 live positions: KV space for those and the next token, not the prompt.
-    assert transfer.matched(consumer, 0, manager) == 40
+    assert transfer.matched(consumer, 0, [manager]) == 40
     assert manager.num_evicted["c"] == 24
     assert manager.get_num_blocks_to_allocate("c", 41, (), 40, 0, 41) == 2
     manager.allocate_external_computed_blocks("c", 0, 40)
@@ -66,10 +66,10 @@ def test_a_committed_prompt_plus_its_first_token_continues_the_producers_request
     new = manager.allocate_new_blocks("c", 41, 41)
     blocks = [b.block_id for b in manager.req_to_blocks["c"]]
     assert len(new) == 1 and len(blocks) == 2
-    transfer.allocated(consumer, blocks, 40)
-    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={"c": 1}, scheduled_spec_decode_tokens={}), {"c": consumer}, manager)
+    transfer.allocated(consumer, [blocks], 40)
+    orders = transfer.orders(SimpleNamespace(num_scheduled_tokens={"c": 1}, scheduled_spec_decode_tokens={}), {"c": consumer}, [manager])
     (load,) = orders.loads
-    assert load.block_ids == tuple(blocks[:1]) and load.kv_len == 16
+    assert load.block_ids == (tuple(blocks[:1]),) and load.kv_len == 16
     assert orders.prompt_lens == {"c": 40} and not orders.saves
     assert transfer.num_loaded == 1
 
@@ -80,21 +80,21 @@ def test_a_flawed_state_or_a_computed_prefix_is_not_loaded(tmp_path):
     transfer = _transfer(tmp_path)
     consumer = _request("c", PROMPT + [7])
     assert transfer.prompt_len(consumer) == 40
-    assert transfer.matched(consumer, 16, manager) == 0  # a local prefix hit first
+    assert transfer.matched(consumer, 16, [manager]) == 0  # a local prefix hit first
     KVStore(tmp_path).rank_path(key, 1).unlink()
-    assert transfer.matched(consumer, 0, manager) == 0  # rank 1's file is gone
+    assert transfer.matched(consumer, 0, [manager]) == 0  # rank 1's file is gone
     assert transfer.num_recomputed == 1 and "c" not in manager.num_evicted
     # Prompt logprobs: vLLM reads no cached token for it, so nothing may be matched.
     logprobs = Request("e", PROMPT + [7], SamplingParams(max_tokens=8, prompt_logprobs=1), None)
     transfer.prompt_len(logprobs)
-    assert logprobs.skip_reading_prefix_cache and transfer.matched(logprobs, 0, manager) == 0
+    assert logprobs.skip_reading_prefix_cache and transfer.matched(logprobs, 0, [manager]) == 0
     assert "e" not in manager.num_evicted
     # Another tensor-parallel size: the heads are split otherwise.
     _stored(tmp_path, world_size=1)
     other = _transfer(tmp_path, world_size=2)
     consumer2 = _request("d", PROMPT + [7])
     other.prompt_len(consumer2)
-    assert other.matched(consumer2, 0, manager) == 0
+    assert other.matched(consumer2, 0, [manager]) == 0
 
 
 def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(tmp_path):
@@ -103,16 +103,16 @@ def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(t
     events.add_request([manager], producer, transfer.prompt_len(producer))
     manager.allocate_new_blocks("p", 32, 32)
     step = SimpleNamespace(num_scheduled_tokens={"p": 32}, scheduled_spec_decode_tokens={})
-    assert not transfer.orders(step, {"p": producer}, manager).saves  # mid-prompt
+    assert not transfer.orders(step, {"p": producer}, [manager]).saves  # mid-prompt
     producer.num_computed_tokens = 32
     manager.allocate_new_blocks("p", 40, 40)
     step = SimpleNamespace(num_scheduled_tokens={"p": 8}, scheduled_spec_decode_tokens={})
-    (save,) = transfer.orders(step, {"p": producer}, manager).saves
+    (save,) = transfer.orders(step, {"p": producer}, [manager]).saves
     key = state_key(PROMPT, BUDGET, BLOCK)
-    assert save.key == key and save.kv_len == 16 and len(save.block_ids) == 1
+    assert save.key == key and save.kv_len == 16 and len(save.block_ids[0]) == 1
     assert transfer.finished(producer) is None  # no first token (aborted): nothing committed
     assert KVStore(tmp_path).committed(key) is None
-    transfer.orders(step, {"p": producer}, manager)
+    transfer.orders(step, {"p": producer}, [manager])
     producer.append_output_token_ids(9)
     params = transfer.finished(producer)
     assert params == {"h2o_kv_key": key, "h2o_kv_tokens": 16, "h2o_prompt_tokens": 40, "h2o_first_token": 9}
@@ -128,7 +128,7 @@ def test_the_producer_saves_when_vllm_pads_its_prompts_last_step_with_dummy_draf
     manager.allocate_new_blocks("p", 43, 43)
     producer.num_computed_tokens = 39
     step = SimpleNamespace(num_scheduled_tokens={"p": 4}, scheduled_spec_decode_tokens={"p": [-1] * 3})
-    (save,) = transfer.orders(step, {"p": producer}, manager).saves
+    (save,) = transfer.orders(step, {"p": producer}, [manager]).saves
     assert save.key == state_key(PROMPT, BUDGET, BLOCK) and save.kv_len == 16
 
 
@@ -144,16 +144,16 @@ def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
     manager.allocate_new_blocks("p", 40, 40)
     drafter_ids = [[11, 12, 13, 14], [21, 22, 23]]  # the prompt and room past it
     step = SimpleNamespace(num_scheduled_tokens={"p": 40}, scheduled_spec_decode_tokens={})
-    (save,) = producing.orders(step, {"p": producer}, manager, lambda rid: drafter_ids).saves
+    (save,) = producing.orders(step, {"p": producer}, [manager], lambda rid: drafter_ids).saves
     assert save.whole == ((11, 12, 13), (21, 22))
     consuming = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, sizes)
     consumer = _request("c", PROMPT + [7])
     consuming.prompt_len(consumer)
-    assert consuming.matched(consumer, 0, manager) == 40
-    consuming.allocated(consumer, [5, 6], 40, [[31, 32, 33, 34], [41, 42]])
+    assert consuming.matched(consumer, 0, [manager]) == 40
+    consuming.allocated(consumer, [[5, 6]], 40, [[31, 32, 33, 34], [41, 42]])
     (load,) = consuming.orders(SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={}),
-                               {}, manager).loads
-    assert load.whole == ((31, 32, 33), (41, 42)) and load.block_ids == (5,)
+                               {}, [manager]).loads
+    assert load.whole == ((31, 32, 33), (41, 42)) and load.block_ids == ((5,),)
 
 
 def test_a_decoder_with_another_drafter_or_none_computes_the_prompt_itself(tmp_path):

@@ -1,6 +1,7 @@
-"""vllm_hooks.connector_groups: which KV-cache groups H2O's connectors move, read from vLLM's own
-``KVCacheConfig`` when the engine starts: one H2O group, and a speculative drafter's groups
-whole; anything else is refused then, naming the way out, before a request can fail."""
+"""vllm_hooks.connector_groups: which KV-cache groups H2O's connectors move, read from vLLM's
+own ``KVCacheConfig`` when the engine starts: every H2O group (vLLM splits a target into
+several beside a drafter with fewer layers), and a speculative drafter's groups whole;
+anything else is refused then, naming the way out, before a request can fail."""
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
@@ -8,34 +9,26 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.vllm_hooks.connector_groups import check_one_h2o_group, whole_groups
+from h2o_vllm.vllm_hooks.connector_groups import h2o_group_of, whole_groups
 
 SHAPE = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
-
-
-def _config(*specs) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
-    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
 H2O = H2OAttentionSpec(**SHAPE, h2o=H2OConfig())
 
 
-def test_a_drafters_group_is_moved_whole_beside_the_one_h2o_group():
-    config = _config(H2O, FullAttentionSpec(**SHAPE))
-    check_one_h2o_group(config)
-    assert [(g, group.layer_names) for g, group in whole_groups(config)] == [(1, ["layer.1"])]
-    assert whole_groups(_config(H2O)) == []
+def _config(*groups) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
 
 
-def test_several_h2o_groups_are_refused_naming_n_gram_drafts():
-    """An EAGLE head's one layer beside a many-layer target: vLLM splits the target."""
-    with pytest.raises(ValueError) as refused:
-        check_one_h2o_group(_config(H2O, H2O, FullAttentionSpec(**SHAPE)))
-    message = str(refused.value)
-    assert "into 2" in message and '"ngram"' in message and "--kv-transfer-config" in message
+def test_an_eagle_head_beside_a_split_target_is_moved_whole_and_each_h2o_group_by_its_own_blocks():
+    """A two-layer target and a one-layer head: vLLM's groups are [layer 0], [layer 1], [head]."""
+    config = _config((["t.0"], H2O), (["t.1"], H2O), (["head"], FullAttentionSpec(**SHAPE)))
+    assert h2o_group_of(config) == {"t.0": 0, "t.1": 1}
+    assert [(g, group.layer_names) for g, group in whole_groups(config)] == [(2, ["head"])]
+    assert whole_groups(_config((["t.0", "t.1"], H2O))) == []
 
 
 def test_a_group_neither_h2o_nor_full_attention_is_refused():
-    with pytest.raises(ValueError, match="SlidingWindowSpec"):
-        whole_groups(_config(H2O, SlidingWindowSpec(**SHAPE, sliding_window=32)))
+    with pytest.raises(ValueError, match="SlidingWindowSpec") as refused:
+        whole_groups(_config((["t.0"], H2O), (["w.0"], SlidingWindowSpec(**SHAPE, sliding_window=32))))
+    assert "--kv-transfer-config" in str(refused.value)
