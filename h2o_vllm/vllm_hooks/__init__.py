@@ -154,7 +154,12 @@ block pool, preemption count).
   (``get_handshake_metadata`` / ``set_xfer_handshake_metadata``: each rank's NIXL agent;
   ``build_connector_worker_meta`` / ``update_connector_output``: reads done, staging read) and
   answers a match of None while a state is being read (vLLM skips the request that step).
-  Upstream: none needed for the connector itself; a way for a connector to tell the KV-cache
+  Both declare ``SupportsHMA`` (``request_finished_all_groups``), so vLLM keeps its hybrid
+  KV-cache manager beside them and a speculative drafter's layers keep groups of their own;
+  they read those layers through the block-major views vLLM hands ``register_kv_caches``
+  (module ``connector_groups`` says which groups are whole), and count on vLLM calling
+  ``wait_for_save`` after the draft pass when speculation is on (the contract test holds both
+  runners to it). Upstream: none needed for the connector itself; a way for a connector to tell the KV-cache
   manager how many slots a load fills would remove the override.
 - ``install_triton_on_cpu`` (module ``triton_on_cpu``), only with ``H2O_VLLM_TRITON_ON_CPU=1``,
   in every process: imports vLLM's Triton attention op modules with the real ``triton`` /

@@ -88,22 +88,24 @@ def draft_model_rounds(smollm2_dir, prompts, oracle_outputs):
     return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, draft)
 
 
-def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None, evicts=True):
+def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None, kv_params=None):
     """{budget: outputs} of every budget at once (per-request budgets), block lists checked
-    after every step (``evicts``: whether they saw tokens evicted, None: either); (drafts,
-    accepted) of the run; the
-    pool drains. With ``firsts`` ({budget: each prompt's first token}) each request continues
-    its prompt from that token, as a KV transfer's decoder does, and its outputs start with it."""
+    after every step; (drafts, accepted) of the run; the pool drains. With ``firsts`` ({budget: each prompt's first token}) each request continues
+    its prompt from that token, as a KV transfer's decoder does, and its outputs start with it.
+    ``kv_params`` ({budget: each prompt's ``kv_transfer_params``}): sent as vLLM's P/D proxy
+    sends them."""
     scheduler = scheduler_of(llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     drafts_before, accepted_before = spec_decode_counts(llm)
     firsts = firsts or {name: [[]] * len(prompts) for name in budgets}
-    requests = [(p + first, greedy(max_tokens - len(first), extra_args=extra_args(b)))
-                for name, b in budgets.items() for p, first in zip(prompts, firsts[name])]
+    kv_params = kv_params or {name: [None] * len(prompts) for name in budgets}
+    requests = [(p + first, greedy(max_tokens - len(first), extra_args={
+                    **extra_args(b), **({"kv_transfer_params": kv} if kv is not None else {})}))
+                for name, b in budgets.items() for p, first, kv in zip(prompts, firsts[name], kv_params[name])]
     evicted = []
     outputs = run_steps(llm, [p for p, _ in requests], [params for _, params in requests],
                         on_step=lambda: evicted.extend(check_block_lists(llm, {}, block, DRAFTS)))
-    assert evicts is None or (max(evicted, default=0) > 0) == evicts, f"evicted {max(evicted, default=0)} at most"
+    assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     drafts, accepted = spec_decode_counts(llm)
     n = len(prompts)
@@ -272,54 +274,67 @@ def test_model_drafters_h2o_equal_the_dense_oracle_with_drafts_accepted(mirrored
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
 
-def _eagle_transferred(target, prompts, speculative_config, store):
-    """A model drafter beside a KV connector: one engine in both roles (as
-    ``_transferred_matrix``), prefix caching off. The budget matrix is prefilled for its first
-    tokens, then continued twice from the saved states: first loading them, then, with the
-    rank files gone (each commit mark left), computing each prompt itself, as a decoder does
-    when a state is lost, with the same H2O prompt length. Returns both continuations and how
-    many states loaded and how many prompts were computed again."""
-    kv_transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    with vllm_engine(target, in_process=True, block_size=EAGLE_BLOCK, max_model_len=512,
-                     speculative_config=speculative_config, disable_log_stats=False, enable_prefix_caching=False,
-                     kv_transfer_config=kv_transfer, additional_config={"h2o": {}}) as llm:
-        # A one-token run ends in its prompt's step: the checks see no request left to evict.
-        produced, _, _ = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, 1, evicts=None)
-        loaded = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS, produced)
-        for rank_file in store.glob("*/rank*.safetensors"):
-            rank_file.unlink()
-        computed = _run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS, produced)
-        scheduler = scheduler_of(llm)
-        managers = [type(m).__name__ for m in scheduler.kv_cache_manager.coordinator.single_type_managers]
-        return loaded, computed, scheduler.connector.transfer.num_loaded, scheduler.connector.transfer.num_recomputed, managers
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def test_a_model_drafter_decoding_transferred_prompts_drafts_as_over_its_own_prefill(eagle_prompts, tmp_path):
-    """P/D with EAGLE-3, the usual GPU deployment: the connector carries the target's H2O
-    state and the drafter's own layers, whole, as the blocks that hold the prompt. The target
-    has three layers beside the head's one, so vLLM splits it into three H2O KV-cache groups,
-    as it splits a real target (``build_mirrored_eagle3_pair``'s dead layers): each moves by
-    its own blocks. Every continuation loads and equals the oracle over the budget matrix. Outputs are exact whatever
-    the drafter's cache holds, so acceptance is what shows its KV came over: a decoder that
-    loads accepts exactly the drafts of one that computes the prompt itself (42 of them; with
-    the drafter's blocks not loaded, 12). vLLM counts the dummy drafts it pads a loaded
-    request's first step with (``scheduler.events.drop_padding``) as drafted, so the loading
-    run drafts up to ``DRAFTS`` more per request, all rejected."""
+def _eagle_over_nixl(target, prompts, speculative_config):
+    """KV transfer over NIXL, as vLLM's P/D proxy runs it: a producer engine (its own processes,
+    its NIXL agent serving reads) prefills each request for remote decode; a decoder here gets
+    the original prompt and the producer's ``kv_transfer_params``, reads the state and loads
+    it; then again with each ticket spoiled, so every state read is refused by its seal and
+    the decoder computes the prompt itself. Returns both runs and the loads and recomputes."""
+    from vllm import SamplingParams
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"h2o_staging_mib": 16, "h2o_nixl_timeout_s": 150}}
+    engine = dict(block_size=EAGLE_BLOCK, max_model_len=512, speculative_config=speculative_config,
+                  disable_log_stats=False, enable_prefix_caching=False, kv_transfer_config=kv,
+                  additional_config={"h2o": {}})
+    with vllm_engine(target, **engine) as producer:
+        params = [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                 extra_args={**extra_args(b), "kv_transfer_params": dict(REMOTE_DECODE)})
+                  for b in EAGLE_BUDGETS.values() for _ in prompts]
+        outs = producer.generate([{"prompt_token_ids": p} for _ in EAGLE_BUDGETS for p in prompts], params,
+                                 use_tqdm=False)
+        named = {name: [outs[i * len(prompts) + j].kv_transfer_params for j in range(len(prompts))]
+                 for i, name in enumerate(EAGLE_BUDGETS)}
+        spoiled = {name: [{**p, "h2o_nixl": {**p["h2o_nixl"], "ticket": p["h2o_nixl"]["ticket"] + 1000}}
+                          for p in ps] for name, ps in named.items()}
+        with vllm_engine(target, in_process=True, **engine) as consumer:
+            runs = [_run_matrix(consumer, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS, kv_params=p)
+                    for p in (named, spoiled)]
+            scheduler = scheduler_of(consumer)
+            managers = [type(m).__name__ for m in scheduler.kv_cache_manager.coordinator.single_type_managers]
+            return runs, scheduler.connector.transfer.num_loaded, scheduler.connector.transfer.num_recomputed, managers
+
+
+def test_a_model_drafter_decoding_prompts_read_over_nixl_drafts_as_over_its_own_prefill(eagle_prompts, tmp_path):
+    """P/D with EAGLE-3 over NIXL, the usual GPU deployment: the connector carries the
+    target's H2O state and the drafter's own layers, whole, as the blocks that hold the prompt
+    (packed after the H2O layers' state in the producer's staging run, sized from the KV-cache
+    spec). The target has three layers beside the head's one, so vLLM splits it into three H2O
+    KV-cache groups, as it splits a real target (``build_mirrored_eagle3_pair``'s dead layers;
+    the SmolLM2 test above shows each group's state in its own blocks, where every layer
+    counts). Every request loads and equals the oracle over the budget matrix. Outputs are
+    exact whatever the drafter's cache holds, so acceptance is what shows its KV came over: a
+    decoder that loads accepts exactly the drafts of one that computes the prompt itself (46;
+    on storage with the drafter's blocks not loaded, 16). vLLM counts the dummy drafts it pads
+    a loaded request's first step with (``scheduler.events.drop_padding``) as drafted, so the
+    loading run drafts up to ``DRAFTS`` more per request, all rejected."""
     from h2o_devtools.models import drafters
     target, head = drafters.build_mirrored_eagle3_pair(tmp_path / "target", tmp_path / "head", dead_layers=2)
     spec = {"method": "eagle3", "num_speculative_tokens": DRAFTS, "model": str(head)}
     expected = _eagle_oracle(target, eagle_prompts)
-    (loaded, computed, num_loaded, num_computed, managers) = in_fresh_process(
-        _eagle_transferred, target, eagle_prompts, spec, tmp_path / "store")
-    print(f"EAGLE-3 with H2O after a KV transfer: {loaded[2]}/{loaded[1]} draft tokens accepted; "
-          f"over the prompt computed again: {computed[2]}/{computed[1]}; groups {managers}")
+    (loaded, computed), num_loaded, num_computed, managers = in_fresh_process(
+        _eagle_over_nixl, target, eagle_prompts, spec)
+    print(f"EAGLE-3 with H2O over NIXL: {loaded[2]}/{loaded[1]} draft tokens accepted; "
+          f"over the prompt computed again: {computed[2]}/{computed[1]}")
     assert sorted(managers) == ["FullAttentionManager"] + ["H2OManager"] * 3, managers
     assert num_loaded == num_computed == len(eagle_prompts) * len(EAGLE_BUDGETS)
     for outputs, _, _ in (loaded, computed):
         for name in EAGLE_BUDGETS:
-            assert outputs[name] == expected[name], f"{name}: decoding a transferred prompt with EAGLE-3 drafts"
-    assert 0 < loaded[2] < loaded[1], "no draft accepted (or none rejected): the test proves little"
+            assert outputs[name] == expected[name], f"{name}: decoding a prompt read over NIXL with EAGLE-3 drafts"
+    assert 0 < loaded[2] < loaded[1]
     assert loaded[2] == computed[2], "the drafter's KV cache did not come over whole"
     assert 0 <= loaded[1] - computed[1] <= DRAFTS * num_loaded
 
