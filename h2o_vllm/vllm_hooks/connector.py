@@ -30,7 +30,7 @@ from h2o_vllm.config import h2o_config
 from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
 from h2o_vllm.kv_store import KVStore
 from h2o_vllm.transfer_orders import KVMove, NixlPeer, TransferOrders, TransferReport
-from h2o_vllm.vllm_hooks.connector_groups import h2o_group_of, whole_groups
+from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_group_of, whole_groups
 
 logger = init_logger("vllm.h2o_vllm")
 
@@ -139,15 +139,11 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
                 yield name, impl, layer.kv_cache, self.h2o_group_of[name]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Keep the whole groups' layers: vLLM's block-major views, one block per manager block."""
-        self.whole_caches = [(name, i, kv_caches[name]) for i, (_, group) in enumerate(self.whole_groups)
-                             for name in sorted(group.layer_names) if name in kv_caches]
+        """Keep the whole groups' layers, one row per block of the pool."""
         num_blocks = self._kv_cache_config.num_blocks
-        for name, _, cache in self.whole_caches:
-            if cache.shape[0] != num_blocks:
-                raise RuntimeError(f"{type(self).__name__}: vLLM's KV cache view of {name} has {cache.shape[0]} "
-                                   f"blocks in its first dimension, where the pool has {num_blocks}: this vLLM "
-                                   "lays out a connector's views otherwise than 0.32 did")
+        self.whole_caches = [(name, i, by_pool_block(kv_caches[name], num_blocks, name))
+                             for i, (_, group) in enumerate(self.whole_groups)
+                             for name in sorted(group.layer_names) if name in kv_caches]
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         orders = self._get_connector_metadata().orders

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
     """(index, group) of each KV-cache group H2O leaves whole: a speculative drafter's own
@@ -36,3 +38,15 @@ def h2o_group_of(kv_cache_config) -> dict[str, int]:
     groups = [g for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ())
               if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
     return {name: i for i, group in enumerate(groups) for name in group.layer_names}
+
+
+def by_pool_block(cache: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:
+    """A whole layer's view, as vLLM hands ``register_kv_caches`` (block-major ``[B, H, N, C]``),
+    with one row per block of the pool. Where the layer's backend takes smaller blocks than the
+    pool's, vLLM's view counts its kernel blocks, each pool block's in a run (vLLM splits only
+    dense pages): those rows are folded into one."""
+    if cache.shape[0] % num_blocks:
+        raise RuntimeError(f"H2O's KV connector: vLLM's KV cache view of {name} has {cache.shape[0]} blocks in "
+                           f"its first dimension, for a pool of {num_blocks}: this vLLM lays out a connector's "
+                           "views otherwise than 0.32 did")
+    return cache if cache.shape[0] == num_blocks else cache.unflatten(0, (num_blocks, -1))

@@ -9,7 +9,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.vllm_hooks.connector_groups import h2o_group_of, whole_groups
+from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_group_of, whole_groups
 
 SHAPE = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
 H2O = H2OAttentionSpec(**SHAPE, h2o=H2OConfig())
@@ -32,3 +32,18 @@ def test_a_group_neither_h2o_nor_full_attention_is_refused():
     with pytest.raises(ValueError, match="SlidingWindowSpec") as refused:
         whole_groups(_config((["t.0"], H2O), (["w.0"], SlidingWindowSpec(**SHAPE, sliding_window=32))))
     assert "--kv-transfer-config" in str(refused.value)
+
+
+def test_a_whole_layers_view_has_one_row_per_pool_block_even_where_its_kernel_blocks_are_smaller():
+    """vLLM's view of a layer whose backend splits each 32-token pool block into two kernel
+    blocks of 16 counts kernel blocks; a pool block's two are adjacent."""
+    pool = torch.arange(4 * 2 * 32 * 8, dtype=torch.float32).reshape(4, 2, 32, 8)
+    assert by_pool_block(pool, 4, "l") is pool
+    kernel = pool.reshape(4, 2, 2, 16, 8).transpose(1, 2).reshape(8, 2, 16, 8)  # pool block b: rows 2b, 2b+1
+    folded = by_pool_block(kernel, 4, "l")
+    assert folded.shape == (4, 2, 2, 16, 8)
+    assert torch.equal(folded[2], kernel[4:6])
+    folded[1] = 0  # a view: writes reach the cache
+    assert not kernel[2:4].any() and kernel[4:].all()
+    with pytest.raises(RuntimeError, match="5 blocks"):
+        by_pool_block(torch.zeros(5, 1), 4, "l")
