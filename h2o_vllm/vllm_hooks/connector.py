@@ -30,7 +30,7 @@ from h2o_vllm.config import h2o_config
 from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
 from h2o_vllm.kv_store import KVStore
 from h2o_vllm.transfer_orders import KVMove, NixlPeer, TransferOrders, TransferReport
-from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_group_of, whole_groups
+from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_groups, whole_groups
 
 logger = init_logger("vllm.h2o_vllm")
 
@@ -64,8 +64,9 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
                              "or use vLLM's own connector without H2O")
         self.requests: dict[str, Any] = {}
         self.transfer = None
-        self.whole_groups = whole_groups(kv_cache_config)
-        self.h2o_group_of = h2o_group_of(kv_cache_config)
+        self.h2o_groups, self.whole_groups = h2o_groups(kv_cache_config), whole_groups(kv_cache_config)
+        #: Each H2O layer's position among the H2O groups (its blocks in ``KVMove.block_ids``).
+        self.h2o_group_of = {name: i for i, (_, group) in enumerate(self.h2o_groups) for name in group.layer_names}
         self.whole_caches: list[tuple[str, int, torch.Tensor]] = []  # worker: (name, group, blocks view)
         if role == KVConnectorRole.SCHEDULER:
             transfer = self._kv_transfer_config
@@ -92,14 +93,13 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
     # Scheduler side.
 
     def _managers(self) -> list:
-        """The H2O groups' managers, in group order (as ``h2o_group_of`` numbers them)."""
+        """The H2O groups' managers, in group order (as ``h2o_groups`` lists them)."""
         from h2o_vllm.vllm_hooks.engine_core import _h2o_managers
         return _h2o_managers(self._kv_cache_manager)
 
-    def _h2o_ids(self, ids) -> list[list[int]]:
-        """Each H2O group's part of a request's block ids (all groups')."""
-        managers = self._kv_cache_manager.coordinator.single_type_managers
-        return [ids[managers.index(m)] for m in self._managers()]
+    def _split(self, ids) -> tuple[list[list[int]], list[list[int]]]:
+        """A request's block ids (every group's): the H2O groups', the whole groups'."""
+        return [ids[g] for g, _ in self.h2o_groups], [ids[g] for g, _ in self.whole_groups]
 
     def on_new_request(self, request) -> None:
         self.requests[request.request_id] = request
@@ -108,13 +108,11 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
         return self.transfer.matched(request, num_computed_tokens, self._managers()), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        ids = blocks.get_block_ids()
-        self.transfer.allocated(request, self._h2o_ids(ids), num_external_tokens,
-                                [ids[g] for g, _ in self.whole_groups])
+        h2o_ids, whole_ids = self._split(blocks.get_block_ids())
+        self.transfer.allocated(request, h2o_ids, num_external_tokens, whole_ids)
 
     def _whole_ids(self, req_id: str) -> list[list[int]]:
-        ids = self._kv_cache_manager.get_block_ids(req_id)
-        return [ids[g] for g, _ in self.whole_groups]
+        return self._split(self._kv_cache_manager.get_block_ids(req_id))[1]
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return H2OConnectorMetadata(self.transfer.orders(scheduler_output, self.requests, self._managers(),
@@ -218,9 +216,8 @@ class H2ONixlConnector(H2OConnector):
 
     def _make_transfer(self, config, common: dict):
         from h2o_vllm.scheduler.nixl_transfer import NixlTransferScheduler, StateShape
-        from h2o_vllm.scheduler.spec import H2OAttentionSpec
         from h2o_vllm.scheduler.staging import Staging
-        groups = [g for g in self._kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
+        groups = [group for _, group in self.h2o_groups]
         spec = groups[0].kv_cache_spec  # every H2O group's layers are alike: one shape, packed by name
         shape = StateShape(sum(len(g.layer_names) for g in groups), spec.num_kv_heads, spec.head_size,
                            spec.dtype.itemsize,

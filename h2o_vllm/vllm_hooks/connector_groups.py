@@ -11,15 +11,26 @@ from typing import Any
 import torch
 
 
+def _groups(kv_cache_config) -> list[tuple[int, Any]]:
+    return list(enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ()))
+
+
+def h2o_groups(kv_cache_config) -> list[tuple[int, Any]]:
+    """(index, group) of each H2O KV-cache group: vLLM splits a target into several beside a
+    drafter with fewer layers (it groups layers in equal numbers: an EAGLE head's one layer
+    beside a 30-layer target makes 30). Every group runs the same plan; each has its own
+    blocks (``KVMove.block_ids``, in this order)."""
+    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    return [(g, group) for g, group in _groups(kv_cache_config) if isinstance(group.kv_cache_spec, H2OAttentionSpec)]
+
+
 def whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
     """(index, group) of each KV-cache group H2O leaves whole: a speculative drafter's own
     layers (a hybrid model's window groups are refused beside a connector before load,
     ``frontend.kv_transfer_config.check_model``). Their prompt travels as whole blocks."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
-    whole = [(g, group) for g, group in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ())
-             if not isinstance(group.kv_cache_spec, H2OAttentionSpec)]
+    h2o = {g for g, _ in h2o_groups(kv_cache_config)}
+    whole = [(g, group) for g, group in _groups(kv_cache_config) if g not in h2o]
     for _, group in whole:
         if not isinstance(group.kv_cache_spec, FullAttentionSpec):
             raise ValueError(f"H2O's KV connector moves H2O's state and full-attention layers kept whole; "
@@ -27,17 +38,6 @@ def whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
                              "would need a transfer of their own: drop --kv-transfer-config, or turn H2O KV "
                              "eviction off (drop --kv-eviction h2o / additional_config['h2o'])")
     return whole
-
-
-def h2o_group_of(kv_cache_config) -> dict[str, int]:
-    """Each H2O layer's group, numbered in group order among the H2O groups: vLLM splits a
-    target into several beside a drafter with fewer layers (it groups layers in equal numbers:
-    an EAGLE head's one layer beside a 30-layer target makes 30). Every group runs the same
-    plan; each has its own blocks (``KVMove.block_ids``)."""
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
-    groups = [g for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ())
-              if isinstance(g.kv_cache_spec, H2OAttentionSpec)]
-    return {name: i for i, group in enumerate(groups) for name in group.layer_names}
 
 
 def by_pool_block(cache: torch.Tensor, num_blocks: int, name: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_group_of, whole_groups
+from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_groups, whole_groups
 
 SHAPE = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
 H2O = H2OAttentionSpec(**SHAPE, h2o=H2OConfig())
@@ -23,7 +23,7 @@ def _config(*groups) -> KVCacheConfig:
 def test_an_eagle_head_beside_a_split_target_is_moved_whole_and_each_h2o_group_by_its_own_blocks():
     """A two-layer target and a one-layer head: vLLM's groups are [layer 0], [layer 1], [head]."""
     config = _config((["t.0"], H2O), (["t.1"], H2O), (["head"], FullAttentionSpec(**SHAPE)))
-    assert h2o_group_of(config) == {"t.0": 0, "t.1": 1}
+    assert [(g, group.layer_names) for g, group in h2o_groups(config)] == [(0, ["t.0"]), (1, ["t.1"])]
     assert [(g, group.layer_names) for g, group in whole_groups(config)] == [(2, ["head"])]
     assert whole_groups(_config((["t.0", "t.1"], H2O))) == []
 
