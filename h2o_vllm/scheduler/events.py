@@ -7,10 +7,13 @@ these at vLLM's step boundaries. Never touches a tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from h2o_vllm import metrics
 from h2o_vllm.policy import draft_step_limit, prefill_step_limit, step_compacts
-from h2o_vllm.scheduler.manager import H2OManager
+
+if TYPE_CHECKING:  # manager imports vllm_hooks, whose engine-core hooks import this module
+    from h2o_vllm.scheduler.manager import H2OManager
 
 
 def add_request(managers: Sequence[H2OManager], request, prompt_len: int | None = None) -> None:

@@ -14,10 +14,13 @@ docs/prefix-caching.md has the design; ``scheduler/records.py`` why records exis
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from h2o_vllm.policy import first_compaction, first_scored
 from h2o_vllm.prefix_orders import PrefixOrders
-from h2o_vllm.scheduler.manager import H2OManager
+
+if TYPE_CHECKING:  # manager imports vllm_hooks, whose engine-core hooks import this module
+    from h2o_vllm.scheduler.manager import H2OManager
 
 
 def record_key(request, num_blocks: int, decay: float, block_size: int, hash_block_size: int):

@@ -1,8 +1,10 @@
 """The tree's own rules (issue 38), checked so that they stay true: a README a user can read,
-docs that exist where the code cites them, no module state where steps run, small modules, and
-vLLM's private names only in ``vllm_hooks/``."""
+docs that exist where the code cites them, no module state where steps run, small modules,
+vLLM's private names only in ``vllm_hooks/``, and every module importable first."""
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,3 +79,27 @@ def test_no_private_vllm_name_outside_the_seam():
                     and not node.attr.startswith("__") and node.attr not in ours):
                 found.append(f"{_rel(path)}:{node.lineno} .{node.attr}")
     assert not found
+
+
+_IMPORT_EACH_FIRST = """
+import importlib, pkgutil, sys
+import h2o_vllm
+failed = []
+for name in sorted(m.name for m in pkgutil.walk_packages(h2o_vllm.__path__, "h2o_vllm.")):
+    for loaded in [k for k in sys.modules if k.split(".")[0] == "h2o_vllm"]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        failed.append(f"{name}: {e}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_module_imports_first():
+    """A user's (or a test's) first import may be any module: an import cycle through
+    ``vllm_hooks`` (whose package imports the engine-core hooks) breaks only some orders. One
+    process, ``h2o_vllm`` unloaded before each module (vLLM stays loaded: seconds, not minutes)."""
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH_FIRST], capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    assert out.strip() == ""
