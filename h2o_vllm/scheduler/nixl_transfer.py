@@ -23,7 +23,7 @@ from h2o_vllm.config import H2OConfig
 from h2o_vllm.kv_store import StoredPrompt
 from h2o_vllm.packed_state import packed_nbytes
 from h2o_vllm.scheduler.staging import Staging
-from h2o_vllm.scheduler.transfer import PENDING, TransferScheduler
+from h2o_vllm.scheduler.transfer import PENDING, TransferScheduler, WholeGroup
 from h2o_vllm.transfer_orders import KVFetch, KVMove, NixlPeer, TransferOrders, TransferReport
 
 logger = logging.getLogger("vllm.h2o_vllm")
@@ -49,9 +49,8 @@ class StateShape:
 
 class NixlTransferScheduler(TransferScheduler):
     def __init__(self, staging: Staging, shape: StateShape, config: H2OConfig, block_size: int,
-                 world_size: int, produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = (),
-                 whole_layers: tuple[tuple[str, ...], ...] = ()) -> None:
-        super().__init__(None, config, block_size, world_size, produces, consumes, whole_block_sizes, whole_layers)
+                 world_size: int, produces: bool, consumes: bool, whole: tuple[WholeGroup, ...] = ()) -> None:
+        super().__init__(None, config, block_size, world_size, produces, consumes, whole)
         self.staging, self.shape = staging, shape
         self.peers: tuple[NixlPeer, ...] = ()           # this engine's ranks, from the handshake
         self.named: dict[str, tuple[str, StoredPrompt, dict]] = {}  # consumer request -> its params

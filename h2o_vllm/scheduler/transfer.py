@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from vllm.utils.math_utils import cdiv
 
@@ -37,13 +38,18 @@ logger = logging.getLogger("vllm.h2o_vllm")
 PENDING = object()
 
 
+class WholeGroup(NamedTuple):
+    """A KV-cache group H2O leaves whole (a speculative drafter's layers): its block size cuts
+    a request's blocks to those that hold the prompt, its layers name the state."""
+    block_size: int
+    layers: tuple[str, ...]
+
+
 class TransferScheduler:
     def __init__(self, store: KVStore, config: H2OConfig, block_size: int, world_size: int,
-                 produces: bool, consumes: bool, whole_block_sizes: tuple[int, ...] = (),
-                 whole_layers: tuple[tuple[str, ...], ...] = ()) -> None:
+                 produces: bool, consumes: bool, whole: tuple[WholeGroup, ...] = ()) -> None:
         self.store, self.config, self.block_size = store, config, block_size
-        #: The block size and the layers of each whole KV-cache group (a speculative drafter's own).
-        self.whole_block_sizes, self.whole_layers = whole_block_sizes, whole_layers
+        self.whole_groups = whole
         self.world_size, self.produces, self.consumes = world_size, produces, consumes
         self.continuations: dict[str, tuple[str, StoredPrompt]] = {}  # consumer request -> its state
         self.whole: set[str] = set()                            # continuations whose files were checked
@@ -57,7 +63,8 @@ class TransferScheduler:
         params = request.sampling_params
         config = request_config(self.config, params.extra_args if params is not None else None)
         budget = config.budget(prompt_len, self.block_size)
-        return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size, self.whole_layers)
+        return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size,
+                         [group.layers for group in self.whole_groups])
 
     def continue_from_params(self, request):
         """vLLM's own P/D protocol (its disaggregation proxy): the decoder gets the original
@@ -179,8 +186,8 @@ class TransferScheduler:
     def _whole(self, group_ids: Sequence[Sequence[int]], num_tokens: int) -> tuple[tuple[int, ...], ...]:
         """The blocks of each whole group (``group_ids``: all of a request's, per group) that
         hold positions ``[0, num_tokens)``."""
-        return tuple(tuple(ids[:cdiv(num_tokens, size)])
-                     for ids, size in zip(group_ids, self.whole_block_sizes, strict=True))
+        return tuple(tuple(ids[:cdiv(num_tokens, group.block_size)])
+                     for ids, group in zip(group_ids, self.whole_groups, strict=True))
 
     def allocated(self, request, block_ids: Sequence[Sequence[int]], num_external_tokens: int,
                   whole_ids: Sequence[Sequence[int]] = ()) -> None:

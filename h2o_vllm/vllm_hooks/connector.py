@@ -69,13 +69,14 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
         self.h2o_group_of = {name: i for i, (_, group) in enumerate(self.h2o_groups) for name in group.layer_names}
         self.whole_caches: list[tuple[str, int, torch.Tensor]] = []  # worker: (name, group, blocks view)
         if role == KVConnectorRole.SCHEDULER:
+            from h2o_vllm.scheduler.transfer import WholeGroup
             transfer = self._kv_transfer_config
             self.transfer = self._make_transfer(config, dict(
                 block_size=vllm_config.cache_config.block_size,
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
                 produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer,
-                whole_block_sizes=tuple(g.kv_cache_spec.block_size for _, g in self.whole_groups),
-                whole_layers=tuple(tuple(sorted(g.layer_names)) for _, g in self.whole_groups)))
+                whole=tuple(WholeGroup(g.kv_cache_spec.block_size, tuple(sorted(g.layer_names)))
+                            for _, g in self.whole_groups)))
 
     def _make_transfer(self, config, common: dict):
         raise NotImplementedError

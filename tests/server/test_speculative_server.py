@@ -5,11 +5,12 @@ own speculative counters on /metrics show drafts accepted."""
 import json
 
 import pytest
-import requests
 import torch
 from harness import Server, serving
 
 from budgets import extra_args, oracle
+
+from h2o_devtools.soak.readings import scrape
 
 BLOCK_SIZE = 16
 ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 8}
@@ -47,12 +48,6 @@ def server(target, expected):
         yield server
 
 
-def _spec_counters(server) -> dict[str, float]:
-    text = requests.get(f"{server.url}/metrics", timeout=10).text
-    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("vllm:spec_decode_num_") and "_total" in line.split("{")[0]}
-
-
 def test_served_mtp_drafts_equal_the_oracle_with_drafts_accepted(server, prompts, expected):
     for budget, outputs in zip(BUDGETS, expected):
         body = {"ignore_eos": True, "return_token_ids": True}
@@ -62,7 +57,7 @@ def test_served_mtp_drafts_equal_the_oracle_with_drafts_accepted(server, prompts
             got = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
                                                      temperature=0.0, extra_body=body).choices[0].token_ids
             assert got == want, f"budget {budget or 'engine'}: served MTP drafts left the oracle"
-    counters = _spec_counters(server)
+    counters = scrape(server.url)
     assert counters["vllm:spec_decode_num_draft_tokens_total"] > 0
     assert 0 < counters["vllm:spec_decode_num_accepted_tokens_total"] < counters["vllm:spec_decode_num_draft_tokens_total"]
     assert any(o != expected[-1] for o in expected[:-1]), "eviction changed nothing: the test proves little"

@@ -15,7 +15,7 @@ from h2o_vllm.policy import kv_len_after
 from h2o_vllm.scheduler import events
 from h2o_vllm.scheduler.manager import H2OManager
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.scheduler.transfer import TransferScheduler
+from h2o_vllm.scheduler.transfer import TransferScheduler, WholeGroup
 
 BLOCK = 16
 CONFIG = H2OConfig.from_dict({"heavy_tokens": 8, "recent_tokens": 8})
@@ -38,8 +38,8 @@ def _transfer(tmp_path, produces=False, consumes=True, world_size=1) -> Transfer
     return TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, world_size, produces, consumes)
 
 
-def _stored(tmp_path, first_token=7, world_size=1) -> str:
-    store, key = KVStore(tmp_path), state_key(PROMPT, BUDGET, BLOCK)
+def _stored(tmp_path, first_token=7, world_size=1, whole=()) -> str:
+    store, key = KVStore(tmp_path), state_key(PROMPT, BUDGET, BLOCK, [group.layers for group in whole])
     for rank in range(world_size):
         store.write_rank(key, rank, {"l.k": torch.zeros(16, 2, 4)})
     store.commit(key, StoredPrompt(len(PROMPT), first_token, kv_len_after(40, 40, BUDGET), world_size))
@@ -135,9 +135,9 @@ def test_the_producer_saves_when_vllm_pads_its_prompts_last_step_with_dummy_draf
 def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
     """Beside the H2O group's live blocks, each whole group's (a speculative drafter's
     layers, by its own block size) first blocks up to the prompt's end: all 40 positions."""
-    _stored(tmp_path)
-    sizes = (BLOCK, 32)
-    producing = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, True, False, sizes)
+    drafter = (WholeGroup(BLOCK, ("draft.layers.0.attn",)), WholeGroup(32, ("draft.layers.1.attn",)))
+    _stored(tmp_path, whole=drafter)
+    producing = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, True, False, drafter)
     manager = _manager()
     producer = _request("p", PROMPT)
     events.add_request([manager], producer, producing.prompt_len(producer))
@@ -146,7 +146,7 @@ def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
     step = SimpleNamespace(num_scheduled_tokens={"p": 40}, scheduled_spec_decode_tokens={})
     (save,) = producing.orders(step, {"p": producer}, [manager], lambda rid: drafter_ids).saves
     assert save.whole == ((11, 12, 13), (21, 22))
-    consuming = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, sizes)
+    consuming = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, drafter)
     consumer = _request("c", PROMPT + [7])
     consuming.prompt_len(consumer)
     assert consuming.matched(consumer, 0, [manager]) == 40
@@ -161,8 +161,8 @@ def test_a_decoder_with_another_drafter_or_none_computes_the_prompt_itself(tmp_p
     producer's (another drafter, or none) finds no state, so never loads blocks it has no
     layers for, or leaves its own drafter's without."""
     _stored(tmp_path)  # saved by an engine without a drafter
-    for layers in ((("draft.layers.0.attn",),), (("eagle.layers.0.attn",),)):
-        decoder = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, (BLOCK,), layers)
+    for layer in ("draft.layers.0.attn", "eagle.layers.0.attn"):
+        decoder = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, False, True, (WholeGroup(BLOCK, (layer,)),))
         assert decoder.prompt_len(_request("c", PROMPT + [7])) == 41  # no state: vLLM's prompt
     assert state_key(PROMPT, BUDGET, BLOCK, [("a",)]) != state_key(PROMPT, BUDGET, BLOCK, [("b",)])
     assert state_key(PROMPT, BUDGET, BLOCK, ()) == state_key(PROMPT, BUDGET, BLOCK)
