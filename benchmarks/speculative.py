@@ -202,6 +202,28 @@ def _with_temperature(generate, temperature: float):
     return generate_at
 
 
+def replayed(job: dict, outputs) -> dict | None:
+    """n-gram drafts replayed on this run's own greedy outputs (``h2o_devtools.ngram_replay``):
+    (drafted, accepted) cut as the engine cuts them, which should equal vLLM's counters, and
+    uncut, what the same outputs would have accepted without H2O's cut."""
+    spec = job["speculative_config"]
+    if not (job["speculative"] and spec.get("method") == "ngram" and outputs
+            and job["args"]["temperature"] not in ("harness",) and float(job["args"]["temperature"]) == 0):
+        return None
+    from h2o_devtools.ngram_replay import NgramDrafter, replay
+    from h2o_vllm.config import H2OConfig
+
+    drafter = NgramDrafter.from_config(spec, job["max_model_len"])
+    config = H2OConfig.from_dict(job["h2o"]) if job["h2o"] else None
+    counts = {"cut": [0, 0], "uncut": [0, 0]}
+    for o in outputs:
+        prompt, output = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        budget = config.budget(len(prompt), job["args"]["block_size"]) if config else None
+        for way, b in (("cut", budget), ("uncut", None)):
+            counts[way] = [x + y for x, y in zip(counts[way], replay(prompt, output, drafter, b))]
+    return counts
+
+
 def run_one(job: dict) -> dict:
     """Child process: ``h2o-vllm bench throughput`` in process, observed; returns its summary
     or ``{"error": ...}`` when the engine refuses the configuration."""
@@ -247,7 +269,7 @@ def run_one(job: dict) -> dict:
         observed.clear()
         observed.update(elapsed_observed_s=elapsed, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                         num_steps=len(running), running=running, blocks_used=used,
-                        num_blocks=pool.num_gpu_blocks - 1, counters=delta)
+                        num_blocks=pool.num_gpu_blocks - 1, counters=delta, replay=replayed(job, outputs))
         return elapsed, outputs
 
     harness._run_vllm_requests = observed_requests
@@ -264,6 +286,11 @@ def run_one(job: dict) -> dict:
     bench_out = json.loads(bench_json.read_text())
     bench_json.unlink()
     return summarize(bench_out, observed, time.perf_counter() - started)
+
+
+def _rate(replay: dict | None, way: str) -> float | None:
+    drafted, accepted = replay[way] if replay else (0, 0)
+    return accepted / drafted if drafted else None
 
 
 def summarize(bench_out: dict, obs: dict, wall_s: float) -> dict:
@@ -287,6 +314,10 @@ def summarize(bench_out: dict, obs: dict, wall_s: float) -> dict:
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_by_position": [x / drafts for x in per_pos] if drafts else None,
+        # the same outputs replayed (``replayed``): as cut, and as they would have been uncut
+        "replay": obs.get("replay"),
+        "uncut_acceptance_rate": _rate(obs.get("replay"), "uncut"),
+        "replayed_acceptance_rate": _rate(obs.get("replay"), "cut"),
         "num_preemptions": int(c.get("vllm:num_preemptions", 0)),
         "peak_running": max(running, default=0), "mean_running": sum(running) / len(running) if running else 0.0,
         "peak_blocks_used": max(used, default=0), "mean_blocks_used": sum(used) / len(used) if used else 0.0,
@@ -473,6 +504,11 @@ def summary_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def _replayed(row: dict) -> str:
+    cut, uncut = row.get("replayed_acceptance_rate"), row.get("uncut_acceptance_rate")
+    return "" if cut is None else f"{cut:.2f} / {uncut:.2f}"
+
+
 def _f(value, fmt: str = ".2f", suffix: str = "") -> str:
     return "" if value is None else f"{value:{fmt}}{suffix}"
 
@@ -490,14 +526,14 @@ def markdown_table(result: dict) -> str:
         + (f", medians of {meta['args']['repeat']} rounds" if meta["args"]["repeat"] > 1 else "") + ".",
         "",
         "| config | output tok/s | total tok/s | requests/s | output x stock | x same policy w/o drafts "
-        "| acceptance rate | mean acceptance length | acceptance vs stock+ngram "
+        "| acceptance rate | replayed: as cut / uncut | mean acceptance length | acceptance vs stock+ngram "
         "| H2O+ngram vs H2O x ngram | running peak / mean | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["summary"]:
         if "error" in r:
             first = r["error"].splitlines()[0]
-            lines.append(f"| {r['config']} | error: {first[:300]} |" + " |" * 10)
+            lines.append(f"| {r['config']} | error: {first[:300]} |" + " |" * 11)
             continue
         combined = ""
         if r.get("combined_over_product") is not None:
@@ -506,10 +542,13 @@ def markdown_table(result: dict) -> str:
         lines.append(
             f"| {r['config']} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {r['requests_s']:.3f} "
             f"| {_f(r.get('output_x_stock'))} | {_f(r.get('output_x_no_spec'))} | {_f(r.get('acceptance_rate'))} "
-            f"| {_f(r.get('mean_acceptance_length'))} | {_f(r.get('acceptance_x_stock_ngram'))} | {combined} "
+            f"| {_replayed(r)} | {_f(r.get('mean_acceptance_length'))} | {_f(r.get('acceptance_x_stock_ngram'))} | {combined} "
             f"| {r['peak_running']:g} / {r['mean_running']:.1f} | {r['num_preemptions']:g} |")
     lines += ["", "acceptance rate: accepted / drafted tokens; mean acceptance length: tokens per "
-              "verification step (1 + accepted / drafts), as vLLM defines them. H2O+ngram vs H2O x ngram: "
+              "verification step (1 + accepted / drafts), as vLLM defines them. replayed: the run's own "
+              "greedy outputs replayed through vLLM's n-gram matcher (h2o_devtools.ngram_replay), with "
+              "each step's drafts cut as H2O's scheduler cuts them (equal to the measured rate, up to "
+              "drafts past a request's last token) and uncut. H2O+ngram vs H2O x ngram: "
               "(H2O+ngram over stock) / ((H2O over stock) x (stock+ngram over stock)), in brackets the "
               "numerator and the denominator; 1 = the two speedups multiply."]
     return "\n".join(lines) + "\n"

@@ -116,6 +116,11 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
         return self._split(self._kv_cache_manager.get_block_ids(req_id))[1]
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        from h2o_vllm.scheduler import events
+        # vLLM builds this before ``_update_after_schedule``, where H2O takes off padding it would
+        # cut (and the fresh blocks sized for it): take it off first, so that a save reads the
+        # blocks of the step as it runs. The later call finds nothing left to take.
+        events.drop_padding(self._managers(), scheduler_output, self.requests)
         return H2OConnectorMetadata(self.transfer.orders(scheduler_output, self.requests, self._managers(),
                                                          self._whole_ids))
 

@@ -23,10 +23,10 @@ PROMPT = list(range(100, 140))  # 40 tokens: compacted to 16 at its end
 BUDGET = CONFIG.budget(len(PROMPT), BLOCK)
 
 
-def _manager() -> H2OManager:
-    pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
+def _manager(caching=False) -> H2OManager:
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=caching, hash_block_size=BLOCK)
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return H2OManager(H2OAttentionSpec.from_full(full, CONFIG), block_pool=pool, enable_caching=False,
+    return H2OManager(H2OAttentionSpec.from_full(full, CONFIG), block_pool=pool, enable_caching=caching,
                       kv_cache_group_id=0, scheduler_block_size=BLOCK)
 
 
@@ -130,6 +130,27 @@ def test_the_producer_saves_when_vllm_pads_its_prompts_last_step_with_dummy_draf
     step = SimpleNamespace(num_scheduled_tokens={"p": 4}, scheduled_spec_decode_tokens={"p": [-1] * 3})
     (save,) = transfer.orders(step, {"p": producer}, [manager]).saves
     assert save.key == state_key(PROMPT, BUDGET, BLOCK) and save.kv_len == 16
+
+
+def test_a_padded_prompt_step_that_compacts_only_with_its_dummies_saves_the_blocks_it_runs_on(tmp_path):
+    """31 tokens (16 kept, compacting at 32) hit in the prefix cache up to the last: vLLM pads
+    the step to 4 rows, whose optimistic count compacts (fresh blocks for it, which H2O takes
+    with prefix caching on), where the prompt alone does not.
+    The connector takes the padding off before its orders (as ``build_connector_meta`` does),
+    so the save names the two blocks that hold the 31 positions, not fresh ones."""
+    transfer, manager = _transfer(tmp_path, produces=True, consumes=False), _manager(caching=True)
+    prompt = PROMPT[:31]
+    producer = _request("p", prompt)
+    events.add_request([manager], producer, transfer.prompt_len(producer))
+    producer.num_computed_tokens = 30
+    manager.allocate_new_blocks("p", 34, 34)
+    assert "p" in manager.fresh  # for the padded step's compaction
+    step = SimpleNamespace(num_scheduled_tokens={"p": 4}, scheduled_spec_decode_tokens={"p": [-1] * 3},
+                           total_num_scheduled_tokens=4, scheduled_new_reqs=[SimpleNamespace(req_id="p")],
+                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
+    events.drop_padding([manager], step, {"p": producer})
+    (save,) = transfer.orders(step, {"p": producer}, [manager]).saves
+    assert save.kv_len == 31 and save.block_ids == (tuple(b.block_id for b in manager.req_to_blocks["p"][:2]),)
 
 
 def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
