@@ -32,8 +32,9 @@ demo: $(STAMP)
 
 # One pytest worker per core, each test file whole on one worker (its module-scoped engines are
 # started once): most of the suite's time is single-threaded (engine start-up, interpreted Triton).
+# The 40 slowest tests close the log: where CI's time goes (docs/development.md).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=40 tests
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

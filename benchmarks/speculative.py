@@ -547,8 +547,8 @@ def markdown_table(result: dict) -> str:
     lines += ["", "acceptance rate: accepted / drafted tokens; mean acceptance length: tokens per "
               "verification step (1 + accepted / drafts), as vLLM defines them. replayed: the run's own "
               "greedy outputs replayed through vLLM's n-gram matcher (h2o_devtools.ngram_replay), with "
-              "each step's drafts cut as H2O's scheduler cuts them (equal to the measured rate, up to "
-              "drafts past a request's last token) and uncut. H2O+ngram vs H2O x ngram: "
+              "each step's drafts cut as H2O's scheduler cuts them (equal to the measured counts, up to "
+              "drafts past a request's last token and steps a preemption redid) and uncut. H2O+ngram vs H2O x ngram: "
               "(H2O+ngram over stock) / ((H2O over stock) x (stock+ngram over stock)), in brackets the "
               "numerator and the denominator; 1 = the two speedups multiply."]
     return "\n".join(lines) + "\n"

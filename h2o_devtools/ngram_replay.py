@@ -48,7 +48,8 @@ def replay(prompt: Sequence[int], output: Sequence[int], drafter: NgramDrafter,
     from every token so far and keeps the accepted ones plus the next sampled token. With
     ``budget`` each step's drafts are cut where H2O's scheduler cuts them. Drafts past the
     output's end are checked against nothing: the engine, which samples there before it stops,
-    may count one or two more accepted per request."""
+    may count one or two more accepted per request; and a preempted request's redone steps
+    draft anew in the engine, not here."""
     tokens = np.asarray([*prompt, *output], dtype=np.int32)
     n, end = len(prompt) + 1, len(tokens)
     drafted = accepted = 0
