@@ -410,7 +410,8 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     (``num_external_computed_tokens`` by keyword, so ``H2OManager`` counts KV space) and then
     reported by ``update_state_after_alloc``; a step with a load loads before its forward
     (``has_sync_kv_loads``); the connector's metadata is built before vLLM advances the
-    requests' computed tokens (``orders`` reads them as of the step's start); the worker
+    requests' computed tokens (``orders`` reads them as of the step's start; the connector
+    takes vLLM's padding off there first, ``events.drop_padding``, as the later hook would); the worker
     finds the attention layers, their impls and caches in the compilation config's
     ``static_forward_context``."""
     source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
