@@ -208,7 +208,7 @@ def replayed(job: dict, outputs) -> dict | None:
     uncut, what the same outputs would have accepted without H2O's cut."""
     spec = job["speculative_config"]
     if not (job["speculative"] and spec.get("method") == "ngram" and outputs
-            and job["args"]["temperature"] not in ("harness",) and float(job["args"]["temperature"]) == 0):
+            and job["args"]["temperature"] != "harness" and float(job["args"]["temperature"]) == 0):
         return None
     from h2o_devtools.ngram_replay import NgramDrafter, replay
     from h2o_vllm.config import H2OConfig
