@@ -33,10 +33,18 @@ hook for a process whose plugin loaded before the switch was set):
   dtype"), where compiled Triton has an ``i1``. ``_keep_splat_boolean`` keeps the data boolean.
   vLLM's V2 n-gram drafter (``_ngram_finalize_kernel``) masks that way.
 
-And one setting for speed: the interpreter runs a grid's programs one after another, and
-vLLM's split-KV decode kernel (the "3D" one, chosen for small decode batches as on a GPU)
-launches ``NUM_PAR_SOFTMAX_SEGMENTS`` = 16 programs per sequence and KV head. Two segments keep
-that kernel and its reduction covered at an eighth of the cost.
+And two for speed:
+
+- The interpreter runs a grid's programs one after another, and vLLM's split-KV decode kernel
+  (the "3D" one, chosen for small decode batches as on a GPU) launches
+  ``NUM_PAR_SOFTMAX_SEGMENTS`` = 16 programs per sequence and KV head. Two segments keep that
+  kernel and its reduction covered at an eighth of the cost.
+- The interpreter swaps ``triton.language``'s builtins for interpreted ones when a kernel
+  launches, and undoes it when the launch ends; it swaps them again at every call of a
+  ``@triton.jit`` helper inside the kernel, scanning the whole module each time (~1 ms), for a
+  swap already in place. vLLM's attention calls helpers once per KV tile of every program:
+  profiled, a fifth of an interpreted engine step. ``_patch_lang_once_per_launch`` skips a
+  helper's swap when the running launch already made it.
 """
 from __future__ import annotations
 
@@ -93,6 +101,7 @@ def install() -> None:
     _wrap("torch.cuda:get_device_capability", _answer_cpu_capability)
     _wrap("vllm.platforms.cpu:CpuPlatform.check_and_update_config", _keep_async_scheduling)
     _wrap("triton.runtime.interpreter:InterpreterBuilder.create_splat", _keep_splat_boolean)
+    _wrap("triton.runtime.interpreter:_patch_lang", _patch_lang_once_per_launch)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
 
@@ -208,3 +217,34 @@ def _answer_cpu_capability(original):
             return CPU_DEVICE_CAPABILITY
         return original(device)
     return get_device_capability
+
+
+def _patch_lang_once_per_launch(original):
+    """``_patch_lang(fn)``: a kernel launch's swap as before, undone when the launch ends; a
+    helper's swap only for language modules not yet swapped in the running launch. (The
+    interpreter discards a helper's scope: its swap is never undone, so skipping a repeat of it
+    leaves the same attributes in place.)"""
+    import triton.language as tl
+
+    swapped: set[int] = set()  # ids of the modules swapped in the running launch; empty between
+
+    class _AlreadySwapped:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):
+        modules = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if swapped and modules <= swapped:
+            return _AlreadySwapped()
+        launch = not swapped  # helpers run only inside a launch
+        scope = original(fn)
+        swapped.update(modules)
+        if launch:
+            restore = scope.restore
+
+            def end_launch() -> None:
+                swapped.clear()
+                restore()
+            scope.restore = end_launch
+        return scope
+    return patch_lang

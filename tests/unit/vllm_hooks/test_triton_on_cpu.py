@@ -132,3 +132,56 @@ def test_a_splatted_comparison_masks_loads_as_compiled_triton_does():
     env = {triton_on_cpu.SWITCH: "1", "TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
     result = _python(NGRAM_DRAFTS, **env)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+HELPER_KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def doubled_sum_kernel(src, out, N: tl.constexpr, TILE: tl.constexpr):
+    acc = _twice(tl.load(src + tl.arange(0, TILE)))  # tl.zeros is a helper from another module
+    for start in range(TILE, N, TILE):
+        acc += _twice(tl.load(src + start + tl.arange(0, TILE)))
+    tl.store(out + tl.arange(0, TILE), acc)
+'''
+
+HELPER_CALLS = """
+from h2o_vllm import plugin
+plugin.register()
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+import kernel
+
+swaps = []  # one entry per swap the interpreter makes (it scans triton.language once each)
+patch_builtin = interpreter._patch_builtin
+def counting(pkg, *args):
+    if pkg is tl:
+        swaps.append(1)
+    return patch_builtin(pkg, *args)
+interpreter._patch_builtin = counting
+src, out = torch.arange(64, dtype=torch.float32), torch.zeros(16)
+for launch in range(2):
+    kernel.doubled_sum_kernel[(1,)](src, out, 64, 16)
+    assert out.tolist() == (2 * src.view(4, 16).sum(0)).tolist(), out
+assert tl.core.is_builtin(tl.load), "the launch's swap was not undone"
+print("swaps", len(swaps))
+print("ok")
+"""
+
+
+def test_a_launch_swaps_the_language_once_for_all_its_helper_calls(tmp_path):
+    """Four helper calls per launch: the launch's own swap only, undone at its end, and the
+    kernel computes what it did with a swap at every helper call."""
+    (tmp_path / "kernel.py").write_text(HELPER_KERNEL)
+    env = {triton_on_cpu.SWITCH: "1", "TRITON_INTERPRET": "1", "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    result = _python(HELPER_CALLS, **env)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    assert "swaps 2\n" in result.stdout, result.stdout  # without the seam: 2 + 2 x 4
