@@ -138,7 +138,8 @@ gpu_step kernels env TRITON_INTERPRET=0 "${PYTEST[@]}" tests/unit/kernels/test_k
 gpu_step step_timing "$PY" benchmarks/cuda_step_timing.py --out "$OUT/cuda_step_timing.json"
 # 3. Engines: H2O vs the dense oracle over the budget matrix, H2O off == stock Triton
 #    attention, blocks drain.
-gpu_step engine "${ENGINE_PYTEST[@]}" tests/engine/test_cuda.py \
+#    Speculative decoding too (with the bundle, -k deselects that module by its name).
+gpu_step engine "${ENGINE_PYTEST[@]}" tests/engine/test_cuda.py tests/engine/test_cuda_speculative.py \
   --junitxml="$OUT/engine.xml"
 # 4. >= 100 concurrent requests, mixed lengths and budgets: 0 failures, pool idle after.
 gpu_step load "$PY" -m gpu_bundle.load --model "$MODELS/tiny-llama" --out "$OUT/load.json" \

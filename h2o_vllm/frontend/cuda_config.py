@@ -75,11 +75,9 @@ def _choose_backend(args: Any, where: str) -> None:
 
 
 def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
-    """After vLLM built its config: graphs, cache dtype, a drafter beside a connector."""
+    """After vLLM built its config: graphs and cache dtype."""
     is_cuda = _platform_is_cuda() if is_cuda is None else is_cuda
     _check_cache_dtype(vllm_config, is_cuda or triton_on_cpu_enabled())
-    if is_cuda or triton_on_cpu_enabled():
-        _check_drafter_beside_connector(vllm_config)
     if not is_cuda:
         return
     compilation = vllm_config.compilation_config
@@ -93,24 +91,6 @@ def check_vllm_config(vllm_config: Any, is_cuda: bool | None = None) -> None:
             "piecewise CUDA graphs without attention among the splitting ops cannot be combined "
             "with H2O KV eviction: attention would be captured in a graph. Leave "
             f"compilation_config.splitting_ops at its default, or pass --enforce-eager, {_OFF}")
-
-
-def _check_drafter_beside_connector(vllm_config: Any) -> None:
-    """A drafter with layers of its own beside H2O's KV connector is exact on the CPU backend,
-    and on this path without a connector; on this path with both, a decoder that loaded the
-    state left the oracle (tests/engine, 2026-12-06: tiny Llama drafting for itself, budget
-    decay + sinks + window at interval 1, Model Runner V1 and V2, async or not; the producer's
-    state equal to a run's without the drafter). Refused until found (issue 39's note)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    method = getattr(spec, "method", None)
-    if getattr(vllm_config, "kv_transfer_config", None) is None or method in (None, "ngram", "ngram_gpu"):
-        return
-    raise ValueError(
-        f"a speculative drafter with layers of its own ('{method}', --speculative-config) beside a KV "
-        "connector (--kv-transfer-config) cannot be combined with H2O KV eviction on the CUDA path "
-        "yet: a decoder loading H2O's state beside the drafter's blocks is not exact there (it is "
-        "on the CPU backend). Use n-gram drafts ('{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-        "\"prompt_lookup_max\": 4}'), drop --speculative-config or --kv-transfer-config, " + _OFF)
 
 
 def _check_cache_dtype(vllm_config: Any, cuda_path: bool) -> None:

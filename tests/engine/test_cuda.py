@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, oracle
+from cuda_path import CUDA_PATH_RUNS, DEVICE, ON_GPU
 from engines import (V2_ENV, check_block_lists, generate_ids, greedy, in_fresh_process,
-                     model_runner_of, random_prompts, repeated_passages, run_steps, scheduler_of,
-                     spec_decode_counts, start_in_fresh_process, vllm_engine)
+                     model_runner_of, random_prompts, run_steps, scheduler_of, spec_decode_counts,
+                     start_in_fresh_process, vllm_engine)
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
-ON_GPU = torch.cuda.is_available()
 BLOCK = 16
 ENGINE_H2O = {}  # the paper's default engine-wide; the matrix arrives per request
 if ON_GPU:
@@ -29,7 +29,6 @@ if ON_GPU:
     PROMPT_LENGTHS = (1, 15, 16, 17, 33, 100, 300)
     BUDGET_NAMES = list(BUDGETS) + list(MODES)
     # A fraction of the GPU: H2O's fp32 score buffers sit outside the KV memory vLLM budgets.
-    DEVICE = dict(gpu_memory_utilization=0.3, num_gpu_blocks_override=512)
     CHUNKED = dict(in_process=True, enforce_eager=True, max_num_batched_tokens=64, max_num_seqs=8)
     ENGINES = {"piecewise-graphs": dict(enforce_eager=False),  # vLLM's defaults: V2, async
                "v2-eager-chunked-async": CHUNKED,
@@ -48,7 +47,6 @@ else:
     # and pooling, which ranks the prompt's compaction on the device.
     BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1",
                     "all-modes-tokens-6+6-interval1", "pool-5-window-8-tokens-8+8-interval1"]
-    DEVICE = dict(env={SWITCH: "1", V2_ENV: "0"})
     # The engine core in process, so the blocks and the mixed prefill + decode steps are
     # checked after every step: with the scheduler a step ahead of the worker (async) and
     # without, on both model runners. A pool of 12 blocks (192 tokens) makes the matrix preempt.
@@ -70,8 +68,8 @@ else:
     # defaults-fp16 (V2) start theirs.
     STOCK_TRITON = dict(in_process=True)
     H2O_OFF = dict(in_process=True)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET != 1", allow_module_level=True)
+if not CUDA_PATH_RUNS:
+    pytest.skip("no GPU and TRITON_INTERPRET != 1", allow_module_level=True)
 PROMPTS = random_prompts(PROMPT_LENGTHS)
 
 
@@ -95,11 +93,12 @@ def _v2(kwargs) -> bool:
     return env.get(V2_ENV, os.environ.get(V2_ENV, "1" if ON_GPU else "0")) == "1"
 
 
-def _serve(fn, model_dir, kwargs, *args):
-    """``fn(model_dir, kwargs, *args)``; without a GPU a V2 engine runs in a fresh process: V2's
-    own Triton kernels must be defined with the real (interpreted) Triton, which only a process
-    that has not yet imported vLLM's runners can do (vllm_hooks/triton_on_cpu.py)."""
-    if _v2(kwargs) and not ON_GPU:  # the process starts with the switch and V2 asked for
+def _serve(fn, model_dir, kwargs, *args, fresh: bool = False):
+    """``fn(model_dir, kwargs, *args)``; in a fresh process when ``fresh``, and without a GPU for
+    a V2 engine: V2's own Triton kernels must be defined with the real (interpreted) Triton,
+    which only a process that has not yet imported vLLM's runners can do
+    (vllm_hooks/triton_on_cpu.py)."""
+    if fresh or (_v2(kwargs) and not ON_GPU):  # the process starts with the switch and V2 asked for
         env = {**DEVICE.get("env", {}), **kwargs.get("env", {})}
         return in_fresh_process(fn, model_dir, kwargs, *args, env=env)
     return fn(model_dir, kwargs, *args)
@@ -349,10 +348,15 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
 # --------------------------------------------------------------------------- KV transfer
 
 # A producer and a consumer engine in turn over one storage folder (tests/engine/
-# test_kv_transfer.py has the CPU path's matrix and faults): V1 synchronous, and V2 with async
-# scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache holds); then
-# the V2 one over NIXL (test_kv_transfer_nixl.py has its faults), the producer up beside.
-TRANSFER_CASES = {"v1-chunked-sync-auto": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"}),
+# test_kv_transfer.py has the CPU path's matrix and faults): V1 synchronous with a draft model
+# (the tiny Llama drafting for itself: its layers' blocks travel whole beside H2O's state), and
+# V2 with async scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache
+# holds); then the V2 one over NIXL (test_kv_transfer_nixl.py has its faults), the producer up
+# beside. The drafter's whole blocks share the pool: at the matrix's 12 blocks, or 24, the
+# decoder preempts a loaded request, whose recompute may leave the oracle (docs/semantics.md,
+# "Cadence"), so that case gets room for every request.
+TRANSFER_CASES = {"v1-chunked-sync-drafter": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"},
+                                                  num_gpu_blocks_override=48, drafter=True),
                   "v2-chunked-async-fp8": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
                                                env={V2_ENV: "1"}),
                   "v2-chunked-async-fp8-nixl": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
@@ -370,7 +374,10 @@ def test_cuda_kv_transfer_pair_matches_the_oracle(tiny_llama_dir, hf_model, tmp_
             pytest.skip(f"nixl does not import here ({nixl_missing()}): pip install 'h2o-vllm[nixl]'")
         outputs, loaded = _serve(nixl_transfer_pair, tiny_llama_dir, kwargs)
     else:
-        outputs, loaded = _serve(transfer_pair, tiny_llama_dir, kwargs, str(tmp_path))
+        # An engine with a speculator leaves vLLM's speculative kernels registered in its process,
+        # which fail the next engine started there (test_cuda_speculative.py).
+        outputs, loaded = _serve(transfer_pair, tiny_llama_dir, kwargs, str(tmp_path),
+                                 fresh=kwargs.get("drafter", False))
     stored = FP8_E4M3 if kwargs.get("kv_cache_dtype") == "fp8" else StoredKV()
     n = len(PROMPTS)
     for i, name in enumerate(TRANSFER_BUDGETS):
@@ -380,24 +387,41 @@ def test_cuda_kv_transfer_pair_matches_the_oracle(tiny_llama_dir, hf_model, tmp_
 
 
 def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
-    """(producer's first token + consumer's tokens for each request, the consumer's loads)."""
-    def engine(role):
+    """(producer's first token + consumer's tokens for each request, the consumer's loads).
+    With ``drafter``: the model drafts for itself on both sides, the producer in processes of its
+    own (one process runs one speculative engine), and the consumer accepts drafts."""
+    kwargs = dict(kwargs)
+    drafts = 3 if kwargs.pop("drafter", False) else 0
+    if drafts:
+        kwargs.update(speculative_config={"method": "draft_model", "model": str(model_dir),
+                                          "num_speculative_tokens": drafts}, disable_log_stats=False)
+
+    def engine(role, **settings):
         kv = {"kv_connector": "ExampleConnector", "kv_role": role,
               "kv_connector_extra_config": {"shared_storage_path": store}}
-        return _engine(model_dir, additional_config={"h2o": ENGINE_H2O}, kv_transfer_config=kv, **dict(kwargs))
+        return _engine(model_dir, additional_config={"h2o": ENGINE_H2O}, kv_transfer_config=kv,
+                       **{**kwargs, **settings})
 
     budgets = [extra_args({**BUDGETS, **MODES}[name]) for name in TRANSFER_BUDGETS]
     prompts = PROMPTS * len(budgets)
-    with engine("kv_producer") as llm:
+    with engine("kv_producer", **({"in_process": False} if drafts else {})) as llm:
         firsts = generate_ids(llm, prompts, [greedy(1, extra_args=b) for b in budgets for _ in PROMPTS])
     with engine("kv_consumer") as llm:
-        pool = scheduler_of(llm).kv_cache_manager.block_pool
+        scheduler = scheduler_of(llm)
+        pool = scheduler.kv_cache_manager.block_pool
         free = pool.get_num_free_blocks()
         params = [greedy(MAX_TOKENS - 1, extra_args=b) for b in budgets for _ in PROMPTS]
-        rest = run_steps(llm, [p + f for p, f in zip(prompts, firsts)], params,
-                         on_step=lambda: check_block_lists(llm, ENGINE_H2O, BLOCK))
+        preempted = set()
+
+        def check():
+            check_block_lists(llm, ENGINE_H2O, BLOCK, drafts)
+            preempted.update(r.request_id for r in scheduler.running if r.num_preemptions)
+        rest = run_steps(llm, [p + f for p, f in zip(prompts, firsts)], params, on_step=check)
         assert pool.get_num_free_blocks() == free, "blocks leaked"
-        loaded = scheduler_of(llm).connector.transfer.num_loaded
+        assert not preempted, f"a loaded request was preempted ({sorted(preempted)}): give the pool room"
+        if drafts:
+            assert spec_decode_counts(llm)[1] > 0, "no draft accepted: the drafter's blocks did not come over"
+        loaded = scheduler.connector.transfer.num_loaded
     return [f + rest[str(i)] for i, f in enumerate(firsts)], loaded
 
 
@@ -423,102 +447,3 @@ def nixl_transfer_pair(model_dir, kwargs) -> tuple[list[list[int]], int]:
             assert pool.get_num_free_blocks() == free, "blocks leaked"
             loaded = scheduler_of(llm).connector.transfer.num_loaded
     return [outputs[str(i)] for i in range(len(prompts))], loaded
-
-
-# --------------------------------------------------------------------------- speculative decoding
-
-CUDA_PATH_BUDGETS = {
-    "tokens-8+8-interval6": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 6},
-    "decay-tokens-6+8-interval5": {"heavy_tokens": 6, "recent_tokens": 8, "interval": 5, "decay": 0.9},
-    "window-sinks-tokens-6+6-interval7": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 7,
-                                          "obs_window": 8, "sink_tokens": 2},
-}
-CUDA_PATH_TOKENS = 16
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-
-
-def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", async_scheduling=False):
-    """In a fresh process: an engine with a speculator registers vLLM's speculative Triton
-    kernels in its process, after which vLLM's dispatcher fails the next engine started there
-    (tests/engine/test_speculative.py). ``v2``: VLLM_USE_V2_MODEL_RUNNER."""
-    params = [greedy(CUDA_PATH_TOKENS, extra_args=extra_args(b)) for b in CUDA_PATH_BUDGETS.values()
-              for _ in prompts]
-    with vllm_engine(model_dir, in_process=True, block_size=16, max_model_len=256,
-                     speculative_config=speculative_config, disable_log_stats=False,
-                     additional_config={"h2o": {}}, async_scheduling=async_scheduling,
-                     **dict(DEVICE, env={**DEVICE.get("env", {}), V2_ENV: v2})) as llm:
-        evicted = []
-        outputs = run_steps(llm, prompts * len(CUDA_PATH_BUDGETS), params,
-                            on_step=lambda: evicted.extend(
-                                check_block_lists(llm, {}, 16, speculative_config["num_speculative_tokens"])))
-        return outputs, spec_decode_counts(llm), max(evicted), _whole_groups(llm)
-
-
-def _whole_groups(llm) -> int:
-    """KV-cache groups H2O leaves whole: on these full-attention targets, a drafter's own."""
-    from h2o_vllm.scheduler.spec import is_h2o_spec
-    return sum(not is_h2o_spec(g.kv_cache_spec) for g in scheduler_of(llm).kv_cache_config.kv_cache_groups)
-
-
-@pytest.mark.parametrize("speculator, v2, scheduling", [
-    ("ngram", "0", "sync"), ("draft_model", "0", "sync"), ("ngram_gpu", "1", "async")],
-    ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
-def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir, speculator, v2, scheduling):
-    """``H2OTritonAttentionBackend``: the fused kernel attends a verification row without
-    scoring it, and the accepted queries are scored at the row's next step
-    (``worker/cuda/drafts.py``); a draft model's layers (the same four-layer model drafting
-    for itself) run vLLM's Triton attention over their whole cache. Model Runner V2 drafts
-    n-grams on the device (``ngram_gpu``, which vLLM runs under async scheduling: its drafts
-    are unverified when the next step is scheduled and planned). Without a GPU, inside vLLM's
-    CPU engine under the Triton interpreter; SmolLM2's first four layers copy the repeated
-    passages."""
-    from transformers import AutoModelForCausalLM
-
-    from h2o_vllm.oracle import H2OOracle
-    prompts = repeated_passages(smollm2_4_layers_dir, ((16, 3), (24, 2)))
-    model = AutoModelForCausalLM.from_pretrained(smollm2_4_layers_dir, dtype=torch.float32).eval()
-    expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
-                for name, b in CUDA_PATH_BUDGETS.items()}
-    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    spec = {**NGRAM, "method": speculator} if speculator.startswith("ngram") else {
-        "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
-    outputs, (drafts, accepted), evicted, whole = in_fresh_process(
-        _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec, v2, scheduling == "async",
-        env={**DEVICE.get("env", {}), V2_ENV: v2})
-    assert 0 < accepted < drafts and evicted > 0
-    assert (whole == 0) == speculator.startswith("ngram"), "a draft model's layers keep their KV cache whole"
-    n = len(prompts)
-    for i, name in enumerate(CUDA_PATH_BUDGETS):
-        assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
-    assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
-
-
-@pytest.mark.parametrize("method, v2, scheduling", [
-    ("eagle", "0", "sync"), ("eagle3", "1", "async"), ("draft_model", "1", "async"), ("eagle3", "0", "async"),
-    ("mtp", "0", "async"), ("mtp", "1", "async"), ("mtp", "1", "sync")],
-    ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
-def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, method, v2, scheduling):
-    """An EAGLE-1 and an EAGLE-3 head, a draft model (the target drafting for itself) and a
-    model's own MTP layer, on the CUDA path with Model Runner V1 and V2: the drafter's layer runs
-    vLLM's Triton attention over its whole cache, the target's the fused kernel; drafts
-    accepted, tokens the oracle's. Async scheduling (V2's default): each step is scheduled and
-    prepared while the previous step's drafts are unverified; the scheduler holds back a
-    compaction behind them and the worker plans on the verified counts."""
-    from transformers import AutoModelForCausalLM
-
-    from h2o_vllm.oracle import H2OOracle
-    target, spec = mirrored_drafter(method, 3)
-    prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
-                for name, b in CUDA_PATH_BUDGETS.items()}
-    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
-    outputs, (drafts, accepted), evicted, whole = in_fresh_process(
-        _cuda_path_speculative_run, target, prompts, spec, v2, scheduling == "async",
-        env={**DEVICE.get("env", {}), V2_ENV: v2})
-    assert 0 < accepted < drafts and evicted > 0
-    assert whole >= 1, "the drafter's layer keeps its KV cache whole, in a group of its own"
-    n = len(prompts)
-    for i, name in enumerate(CUDA_PATH_BUDGETS):
-        assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
-    assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)

@@ -202,7 +202,7 @@ def test_mtp_layers_drafting_through_a_proposer_of_their_own_are_refused(model_t
 def test_device_ngram_drafts_run_on_model_runner_v2_and_are_refused_on_v1(v2):
     """V1's ngram_gpu proposer cannot be built on a CPU-only torch (pinned memory), so H2O with
     it is untested; V2 drafts with a kernel of its own, engine-tested
-    (``test_cuda.py::test_speculative_h2o_on_the_cuda_path_equals_the_oracle[ngram_gpu-v2-async]``)."""
+    (``test_cuda_speculative.py::test_speculative_h2o_on_the_cuda_path_equals_the_oracle[ngram_gpu-v2-async]``)."""
     spec = SimpleNamespace(method="ngram_gpu", num_speculative_tokens=3, draft_model_config=None)
     config = _vllm_config(speculative_config=spec, use_v2_model_runner=v2)
     if v2:

@@ -141,40 +141,20 @@ def test_the_v2_runner_passes_on_every_platform(is_cuda):
 
 
 @pytest.mark.parametrize("is_cuda, switch", [(True, None), (False, "1")], ids=["cuda", "cuda-path-on-cpu"])
-def test_a_drafter_with_layers_beside_a_connector_is_refused_on_the_cuda_path(monkeypatch, is_cuda, switch):
-    """Not exact there yet (engine-checked by hand, the note of issue 39); n-gram drafts pass,
-    and every drafter passes on the CPU backend."""
-    from h2o_vllm.config import TRITON_ON_CPU_SWITCH
-    from h2o_vllm.frontend import cuda_config
-    if switch:
-        monkeypatch.setenv(TRITON_ON_CPU_SWITCH, switch)
-    kv = SimpleNamespace(kv_connector="ExampleConnector")
-    for method in ("draft_model", "eagle", "eagle3", "mtp"):
-        built = _built(v2=True)
-        built.speculative_config, built.kv_transfer_config = SimpleNamespace(method=method), kv
-        with pytest.raises(ValueError, match="beside a KV connector") as info:
-            cuda_config.check_vllm_config(built, is_cuda=is_cuda)
-        assert "ngram" in str(info.value) and "--kv-transfer-config" in str(info.value)
-    for method in ("ngram", "ngram_gpu"):
-        built = _built(v2=True)
-        built.speculative_config, built.kv_transfer_config = SimpleNamespace(method=method), kv
-        cuda_config.check_vllm_config(built, is_cuda=is_cuda)
-    monkeypatch.delenv(TRITON_ON_CPU_SWITCH, raising=False)
-    built = _built(v2=True)
-    built.speculative_config, built.kv_transfer_config = SimpleNamespace(method="eagle3"), kv
-    cuda_config.check_vllm_config(built, is_cuda=False)  # the CPU backend
-
-
-@pytest.mark.parametrize("is_cuda, switch", [(True, None), (False, "1")], ids=["cuda", "cuda-path-on-cpu"])
 def test_every_speculator_passes_on_both_runners_of_the_cuda_path(monkeypatch, is_cuda, switch):
     """V2's n-gram drafter was refused while its kernel failed under the interpreter
-    (``triton_on_cpu._keep_splat_boolean``); it is engine-tested on V2 now, like the others."""
+    (``triton_on_cpu._keep_splat_boolean``); it is engine-tested on V2 now, like the others.
+    Beside a KV connector too: a drafter with layers was refused there while a preemption's
+    recompute was taken for its divergence (tests/engine/test_cuda.py's transfer pair now
+    runs one)."""
     from h2o_vllm.config import TRITON_ON_CPU_SWITCH
     from h2o_vllm.frontend import cuda_config
     if switch:
         monkeypatch.setenv(TRITON_ON_CPU_SWITCH, switch)
     for v2 in (False, True):
         for method in ("ngram", "draft_model", "eagle", "eagle3", "mtp"):
-            built = _built(v2=v2)
-            built.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=3)
-            cuda_config.check_vllm_config(built, is_cuda=is_cuda)
+            for connector in (None, SimpleNamespace(kv_connector="ExampleConnector")):
+                built = _built(v2=v2)
+                built.speculative_config = SimpleNamespace(method=method, num_speculative_tokens=3)
+                built.kv_transfer_config = connector
+                cuda_config.check_vllm_config(built, is_cuda=is_cuda)
