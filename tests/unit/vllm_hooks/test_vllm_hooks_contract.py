@@ -111,6 +111,7 @@ SIGNATURES = {
     "torch.cuda:get_device_capability": ["device"],
     "vllm.platforms.cpu:CpuPlatform.check_and_update_config": ["vllm_config"],
     "triton.runtime.interpreter:InterpreterBuilder.create_splat": ["self", "ret_ty", "arg"],
+    "triton.runtime.interpreter:_patch_lang": ["fn"],
 }
 
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
@@ -691,7 +692,8 @@ def test_a_draft_model_gets_its_own_groups_metadata_from_the_v1_hook():
 TRITON_ON_CPU_ONLY = {"vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
                       "torch.cuda:get_device_capability",
                       "vllm.platforms.cpu:CpuPlatform.check_and_update_config",
-                      "triton.runtime.interpreter:InterpreterBuilder.create_splat"}
+                      "triton.runtime.interpreter:InterpreterBuilder.create_splat",
+                      "triton.runtime.interpreter:_patch_lang"}
 
 
 def _func(obj):
@@ -902,6 +904,16 @@ def test_the_interpreter_tags_a_comparison_with_its_operands_type():
     assert compared.data.dtype == np.bool_ and compared.dtype == tl.int32, "the interpreter changed"
     splat = inspect.unwrap(InterpreterBuilder.create_splat)(builder, tl.block_type(tl.int1, [4]), compared)
     assert splat.data.dtype == np.int32, "a splat now keeps a comparison boolean: drop the wrapper"
+
+
+def test_the_interpreter_swaps_the_language_per_launch_and_again_per_helper_call():
+    """What ``_patch_lang_once_per_launch`` relies on: a launch swaps and undoes its own swap;
+    a helper call swaps again and drops its scope (so skipping that swap undoes nothing)."""
+    from triton.runtime.interpreter import GridExecutor, InterpretedFunction
+    launch = inspect.getsource(GridExecutor.__call__)
+    assert "patch_scope = _patch_lang(self.fn)" in launch and "patch_scope.restore()" in launch
+    helper = inspect.getsource(InterpretedFunction.__call__)
+    assert "\n        _patch_lang(self.fn)\n" in helper, "a helper call keeps its swap's scope now"
 
 
 def test_cpu_platform_selector_is_a_classmethod():
