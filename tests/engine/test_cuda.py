@@ -28,7 +28,6 @@ if ON_GPU:
     MAX_TOKENS = 40
     PROMPT_LENGTHS = (1, 15, 16, 17, 33, 100, 300)
     BUDGET_NAMES = list(BUDGETS) + list(MODES)
-    # A fraction of the GPU: H2O's fp32 score buffers sit outside the KV memory vLLM budgets.
     CHUNKED = dict(in_process=True, enforce_eager=True, max_num_batched_tokens=64, max_num_seqs=8)
     ENGINES = {"piecewise-graphs": dict(enforce_eager=False),  # vLLM's defaults: V2, async
                "v2-eager-chunked-async": CHUNKED,
