@@ -121,15 +121,22 @@ def cut_scheduled(managers: Sequence[H2OManager], scheduler_output, requests) ->
             manager.cut_scheduled(req_id, request.num_computed_tokens, manager.prompt_len_of(request))
 
 
-def admission_watermark(managers: Sequence[H2OManager], base: int, request, num_new_tokens: int,
-                        max_model_len: int) -> int:
+def admission_watermark(managers: Sequence[H2OManager], whole_groups: Sequence, base: int, request,
+                        num_new_tokens: int, step_end: int, max_model_len: int, lookahead: int = 0) -> int:
     """vLLM's admission watermark (``base``: the user's ``--watermark`` in blocks) for one
-    allocation: raised by ``H2OManager.admission_headroom`` when ``request`` is being admitted
-    (waiting or preempted), so admissions leave room for the running sequences' growth."""
+    allocation: raised when ``request`` is being admitted (waiting or preempted) so admissions
+    leave room for the running sequences' growth, in H2O's groups
+    (``H2OManager.admission_headroom``) and in the full-attention groups it leaves whole, a
+    drafter's (``H2OManager.whole_group_headroom``). ``step_end``: the tokens the request
+    will hold once this allocation's step has run; ``lookahead``: the slots vLLM allocates
+    past every step for drafts."""
     from vllm.v1.request import RequestStatus
-    if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+    if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or not managers:
         return base
-    return base + sum(m.admission_headroom(request, num_new_tokens, max_model_len) for m in managers)
+    headroom = sum(m.admission_headroom(request, num_new_tokens, max_model_len, lookahead) for m in managers)
+    # Every H2O group resolved the same budget for the request: one horizon serves them all.
+    return base + headroom + sum(managers[0].whole_group_headroom(group, request, step_end + lookahead)
+                                 for group in whole_groups)
 
 
 def record_metrics(managers: Sequence[H2OManager], running: Iterable) -> None:

@@ -72,7 +72,8 @@ block pool, preemption count).
   the scheduler's step limit leaves room. Remove when vLLM pads no admitted row, or asks.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
   (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
-  ``scheduler.events.admission_watermark`` for that one call. Why: H2O sequences have a known, small
+  ``scheduler.events.admission_watermark`` for that one call (its keyword arguments give the
+  step's end and the draft slots, ``num_lookahead_tokens``). Why: H2O sequences have a known, small
   peak; vLLM admits greedily and preempts (recomputes) when running sequences then cannot grow.
   Upstream: a per-spec admission reserve hook in the KV-cache manager.
 - Prefix caching (docs/prefix-caching.md): ``install_scheduler_hook`` also wraps

@@ -35,6 +35,16 @@ def _h2o_managers(kv_cache_manager) -> list:
     return [m for m in kv_cache_manager.coordinator.single_type_managers if isinstance(m, H2OManager)]
 
 
+def _whole_groups(kv_cache_manager) -> list:
+    """The full-attention groups H2O leaves whole (a drafter's layers): they grow with every
+    token. (A sliding window's or Mamba's groups give blocks back as they grow.)"""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from h2o_vllm.scheduler.manager import H2OManager
+    return [m for m in kv_cache_manager.coordinator.single_type_managers
+            if isinstance(m, FullAttentionManager) and not isinstance(m, H2OManager)]
+
+
 def _add_request_wrapper(original):
     def add_request(self, request):
         if _h2o_of(self) is not None:
@@ -123,8 +133,11 @@ def _allocate_slots_wrapper(original):
         if prefix_hits.awaits_record(managers, request) and request.status == RequestStatus.WAITING:
             return None  # vLLM keeps it waiting: next step its longer hit is exact
         base = self.watermark_blocks
-        self.watermark_blocks = events.admission_watermark(managers, base, request, num_new_tokens,
-                                                         self.max_model_len)
+        step_end = (request.num_computed_tokens + num_new_tokens + kwargs.get("num_new_computed_tokens", 0)
+                    + kwargs.get("num_external_computed_tokens", 0))
+        self.watermark_blocks = events.admission_watermark(managers, _whole_groups(self), base, request,
+                                                         num_new_tokens, step_end, self.max_model_len,
+                                                         kwargs.get("num_lookahead_tokens", 0))
         try:
             return original(self, request, num_new_tokens, *args, **kwargs)
         finally:

@@ -65,6 +65,12 @@ def start_in_fresh_process(fn, *args, env: dict[str, str] | None = None):
     return future
 
 
+def stock_admission(managers, whole_groups, base, *args):
+    """In place of ``scheduler.events.admission_watermark``: vLLM's watermark alone, no room
+    kept for running sequences' growth, so that a small pool preempts as stock vLLM's does."""
+    return base
+
+
 def scheduler_of(llm):
     """The engine-core scheduler of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler

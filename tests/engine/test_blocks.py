@@ -154,3 +154,50 @@ def test_compaction_is_logged_at_debug_level(h2o_llm, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any("compacted from" in m for m in messages)   # worker: evicted tokens
     assert any("freed" in m and "blocks" in m for m in messages)  # scheduler: freed blocks
+
+
+# A draft model beside H2O: its one layer's KV cache stays whole, a KV-cache group of its own
+# that grows with every token from the same pool; every step allocates slots for its drafts.
+DRAFTER_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "interval": 64}
+DRAFTS = 3
+
+
+@pytest.fixture(scope="module")
+def drafter_llm(tiny_llama_dir, tmp_path_factory):
+    from h2o_devtools import models
+    draft = models.build_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_layers=1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFTS}
+    with vllm_engine(tiny_llama_dir, in_process=True, block_size=BLOCK, num_gpu_blocks_override=150,
+                     max_model_len=256, speculative_config=spec, additional_config={"h2o": DRAFTER_H2O}) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("whole_group_claimed", [True, False])
+def test_admission_with_a_drafter_keeps_room_for_its_whole_cache(drafter_llm, monkeypatch, whole_group_claimed):
+    """Twenty-four requests on a pool that holds about five, each generating one interval:
+    admission keeps room for each running sequence's next interval in every group, the
+    drafter's whole one included (``H2OManager.whole_group_headroom``), draft slots included:
+    nothing is preempted. With the H2O groups' claims alone it preempts (6 times here)."""
+    from h2o_vllm.scheduler.manager import H2OManager
+    from h2o_vllm.vllm_hooks.introspect import count_preemptions
+    if not whole_group_claimed:
+        monkeypatch.setattr(H2OManager, "whole_group_headroom", lambda self, *args: 0)
+    scheduler = scheduler_of(drafter_llm)
+    free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    preemptions = count_preemptions(scheduler)
+    running = []
+
+    def check():
+        check_block_lists(drafter_llm, DRAFTER_H2O, BLOCK, DRAFTS)
+        running.append(len(scheduler.running))
+
+    try:
+        outputs = run_steps(drafter_llm, random_prompts([64] * 24, seed=1), greedy(64), on_step=check)
+    finally:
+        del scheduler._preempt_request
+    print(f"draft model, whole group claimed: {whole_group_claimed}: {preemptions()} preemptions, "
+          f"running mean {sum(running) / len(running):.1f} peak {max(running)}")
+    assert len(outputs) == 24 and all(len(o) == 64 for o in outputs.values())
+    assert max(running) < 24, "everything fit: the check proves nothing"
+    assert (preemptions() == 0) == whole_group_claimed
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before

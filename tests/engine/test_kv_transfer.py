@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from budgets import BUDGETS, MODES, extra_args, oracle
-from engines import drive_checked, greedy, random_prompts, scheduler_of, vllm_engine
+from engines import drive_checked, greedy, random_prompts, scheduler_of, stock_admission, vllm_engine
 
 BLOCK = 16
 MAX_TOKENS = 10
@@ -236,7 +236,7 @@ def test_preempted_consumer_requests_recompute_and_drain(consumer, consumed, pro
     every request completes and the pool drains."""
     from h2o_vllm.scheduler import events
     from h2o_vllm.vllm_hooks.introspect import count_preemptions
-    monkeypatch.setattr(events, "admission_watermark", lambda managers, base, *args: base)
+    monkeypatch.setattr(events, "admission_watermark", stock_admission)
     firsts, _ = produced
     case, i = "ratio-0.1+0.1-block", len(PROMPTS) - 1
     scheduler = scheduler_of(consumer)

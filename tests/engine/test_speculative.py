@@ -20,7 +20,7 @@ import torch
 
 from budgets import extra_args, oracle
 from engines import (V2_ENV, check_block_lists, greedy, in_fresh_process, random_prompts, repeated_passages,
-                     run_steps, scheduler_of, spec_decode_counts, vllm_engine)
+                     run_steps, scheduler_of, spec_decode_counts, stock_admission, vllm_engine)
 from h2o_vllm.oracle import H2OOracle
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
@@ -415,8 +415,8 @@ def _preempted_run(model_dir, speculative_config, engine, size="long"):
     the pool overflows and vLLM preempts."""
     lengths, max_tokens, budget, blocks, max_model_len = PREEMPTING[size]
     with _tiny_ngram(model_dir, speculative_config, blocks, max_model_len, **engine) as llm:
-        from h2o_vllm.scheduler.manager import H2OManager  # once the plugin has loaded
-        H2OManager.admission_headroom = lambda self, *args: 0
+        from h2o_vllm.scheduler import events  # once the plugin has loaded
+        events.admission_watermark = stock_admission
         scheduler = scheduler_of(llm)
         free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         # Each preemption, with the output placeholders its request held at the step before

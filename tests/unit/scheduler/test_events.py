@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
@@ -28,11 +29,14 @@ MAX_LEN = 4096
 SMALL = {"h2o_heavy_tokens": 2, "h2o_recent_tokens": 2, "h2o_interval": 1}
 
 
+def _full():
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+
+
 def _managers(*configs):
     """One manager per KV-cache group, all on one pool, as vLLM's coordinator builds them."""
     pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return [H2OManager(H2OAttentionSpec.from_full(full, c), block_pool=pool, enable_caching=False,
+    return [H2OManager(H2OAttentionSpec.from_full(_full(), c), block_pool=pool, enable_caching=False,
                        kv_cache_group_id=g, scheduler_block_size=BLOCK) for g, c in enumerate(configs)]
 
 
@@ -117,8 +121,29 @@ def test_scheduler_step_admission_watermark(status):
     newcomer = _request("c", 10, max_tokens=6)  # fits in the one block it allocates now
     newcomer.status = status
     expected = 5 if status == RequestStatus.RUNNING else 5 + 2 + 1
-    assert step.admission_watermark([first, second], 5, newcomer, 10, MAX_LEN) == expected
-    assert step.admission_watermark([], 5, newcomer, 10, MAX_LEN) == 5
+    assert step.admission_watermark([first, second], [], 5, newcomer, 10, 10, MAX_LEN) == expected
+    assert step.admission_watermark([], [], 5, newcomer, 10, 10, MAX_LEN) == 5
+
+
+def test_admission_watermark_adds_what_the_groups_h2o_leaves_whole_claim():
+    """A drafter's full-attention group shares the pool: its running sequences' next interval
+    and the newcomer's are claimed too (``H2OManager.whole_group_headroom``)."""
+    config = H2OConfig(heavy_tokens=8, recent_tokens=8, interval=32)  # horizon: two blocks
+    (h2o,) = _managers(config)
+    drafter = FullAttentionManager(_full(), block_pool=h2o.block_pool, enable_caching=False,
+                                   kv_cache_group_id=1, scheduler_block_size=BLOCK)
+    running = _request("a", 40, max_tokens=100)
+    _run(h2o, running)
+    drafter.allocate_new_blocks("a", 40, 40)  # 3 blocks, whole
+    newcomer = _request("c", 16, max_tokens=8)
+    newcomer.status = RequestStatus.WAITING
+    alone = step.admission_watermark([h2o], [], 0, newcomer, 16, 16, MAX_LEN)
+    # "a" grows two blocks over its next interval; "c" (24 tokens at most: 2 blocks) one more
+    # than its 16-token prompt's step allocates.
+    assert step.admission_watermark([h2o], [drafter], 0, newcomer, 16, 16, MAX_LEN) == alone + 2 + 1
+    # A sequence near its end claims only what is left of it.
+    drafter.allocate_new_blocks("a", 130, 130)  # 9 of its 9 blocks (140 tokens at most)
+    assert h2o.whole_group_headroom(drafter, newcomer, 16) == 1
 
 
 def test_scheduler_step_record_metrics_sets_recorder(monkeypatch):

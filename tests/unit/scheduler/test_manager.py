@@ -234,3 +234,17 @@ def test_admission_headroom_claims_a_chunked_prompts_peak_not_its_length():
     assert unchunked._headroom == 25 - 2  # the rest of the prompt, held whole
     # Chunked: its prompt's peak (16 + 32 tokens: 3 blocks) less the 2 allocated now.
     assert chunked._headroom == 1
+
+
+def test_admission_headroom_claims_the_draft_slots_allocated_past_every_step():
+    """Under speculative decoding vLLM allocates ``num_lookahead_tokens`` slots past each step:
+    a sequence's peak and its next interval hold them too."""
+    config = H2OConfig(heavy_tokens=8, recent_tokens=8, interval=32)  # peaks at 16 + 32 = 3 blocks
+    plain, drafting = _manager(config), _manager(config)
+    newcomer = _request("c", 16, max_tokens=100)
+    for m, lookahead in ((plain, 0), (drafting, 3)):
+        m.budgets.resolve("c", 16)
+        m._headroom = m.admission_headroom(newcomer, 16, MAX_LEN, lookahead)
+    # Allocating 16 (+ 3) tokens now: the rest of 48 tokens, or of 51 (a fourth block).
+    assert (plain._headroom, drafting._headroom) == (3 - 1, 4 - 2)
+    assert plain._admitted["c"][0] == 3 and drafting._admitted["c"][0] == 4

@@ -365,6 +365,10 @@ def test_allocate_slots_still_applies_the_watermark_to_admissions_only():
     source = inspect.getsource(_resolve("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots")[1])
     assert "watermark_blocks = self.watermark_blocks" in source
     assert re.search(r"request\.status in \(\s*RequestStatus\.WAITING,\s*RequestStatus\.PREEMPTED,?\s*\)", source)
+    # The headroom counts the draft slots every step allocates past its tokens, and the step's
+    # end from the keyword arguments the scheduler passes (hits, external tokens).
+    assert re.search(r"num_tokens_need_slot = min\(\s*num_tokens_main_model \+ num_lookahead_tokens", source)
+    assert "total_computed_tokens + num_new_tokens" in source
 
 
 def test_every_prefill_step_passes_the_lookahead_reservation_last():
