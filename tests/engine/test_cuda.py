@@ -406,22 +406,32 @@ def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
     with engine("kv_producer", **({"in_process": False} if drafts else {})) as llm:
         firsts = generate_ids(llm, prompts, [greedy(1, extra_args=b) for b in budgets for _ in PROMPTS])
     with engine("kv_consumer") as llm:
-        scheduler = scheduler_of(llm)
-        pool = scheduler.kv_cache_manager.block_pool
-        free = pool.get_num_free_blocks()
-        params = [greedy(MAX_TOKENS - 1, extra_args=b) for b in budgets for _ in PROMPTS]
-        preempted = set()
+        rest, loaded = _decode_loaded(llm, [p + f for p, f in zip(prompts, firsts)],
+                                      [greedy(MAX_TOKENS - 1, extra_args=b) for b in budgets for _ in PROMPTS],
+                                      drafts)
+    return [f + rest[i] for i, f in enumerate(firsts)], loaded
 
-        def check():
-            check_block_lists(llm, ENGINE_H2O, BLOCK, drafts)
-            preempted.update(r.request_id for r in scheduler.running if r.num_preemptions)
-        rest = run_steps(llm, [p + f for p, f in zip(prompts, firsts)], params, on_step=check)
-        assert pool.get_num_free_blocks() == free, "blocks leaked"
-        assert not preempted, f"a loaded request was preempted ({sorted(preempted)}): give the pool room"
-        if drafts:
-            assert spec_decode_counts(llm)[1] > 0, "no draft accepted: the drafter's blocks did not come over"
-        loaded = scheduler.connector.transfer.num_loaded
-    return [f + rest[str(i)] for i, f in enumerate(firsts)], loaded
+
+def _decode_loaded(llm, prompts, params, drafts: int = 0) -> tuple[list[list[int]], int]:
+    """The consumer's side of a pair: (each request's tokens, the prompts it loaded), block
+    lists checked after every step, the pool drained, and no request preempted (a preempted
+    loaded request computes its prompt itself, and its recompute may leave the oracle: the
+    case's pool is too small). With ``drafts``: some were accepted, so the drafter's blocks
+    came over."""
+    scheduler = scheduler_of(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    preempted = set()
+
+    def check():
+        check_block_lists(llm, ENGINE_H2O, BLOCK, drafts)
+        preempted.update(r.request_id for r in scheduler.running if r.num_preemptions)
+    outputs = run_steps(llm, prompts, params, on_step=check)
+    assert pool.get_num_free_blocks() == free, "blocks leaked"
+    assert not preempted, f"a loaded request was preempted ({sorted(preempted)}): give the pool room"
+    if drafts:
+        assert spec_decode_counts(llm)[1] > 0, "no draft accepted: the drafter's blocks did not come over"
+    return [outputs[str(i)] for i in range(len(prompts))], scheduler.connector.transfer.num_loaded
 
 
 def nixl_transfer_pair(model_dir, kwargs) -> tuple[list[list[int]], int]:
@@ -438,11 +448,6 @@ def nixl_transfer_pair(model_dir, kwargs) -> tuple[list[list[int]], int]:
                                    [greedy(1, extra_args={**b, "kv_transfer_params": remote})
                                     for b in budgets for _ in PROMPTS], use_tqdm=False)
         with _engine(model_dir, **common) as llm:
-            pool = scheduler_of(llm).kv_cache_manager.block_pool
-            free = pool.get_num_free_blocks()
-            params = [greedy(MAX_TOKENS, extra_args={**b, "kv_transfer_params": out.kv_transfer_params})
-                      for b, out in zip([b for b in budgets for _ in PROMPTS], firsts)]
-            outputs = run_steps(llm, prompts, params, on_step=lambda: check_block_lists(llm, ENGINE_H2O, BLOCK))
-            assert pool.get_num_free_blocks() == free, "blocks leaked"
-            loaded = scheduler_of(llm).connector.transfer.num_loaded
-    return [outputs[str(i)] for i in range(len(prompts))], loaded
+            return _decode_loaded(llm, prompts, [
+                greedy(MAX_TOKENS, extra_args={**b, "kv_transfer_params": out.kv_transfer_params})
+                for b, out in zip([b for b in budgets for _ in PROMPTS], firsts)])
