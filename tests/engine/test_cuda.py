@@ -351,11 +351,13 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
 # (the tiny Llama drafting for itself: its layers' blocks travel whole beside H2O's state), and
 # V2 with async scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache
 # holds); then the V2 one over NIXL (test_kv_transfer_nixl.py has its faults), the producer up
-# beside. The drafter's whole blocks share the pool: at the matrix's 12 blocks, or 24, the
-# decoder preempts a loaded request, whose recompute may leave the oracle (docs/semantics.md,
-# "Cadence"), so that case gets room for every request.
+# beside. The drafter's whole blocks share the pool, so that case gets 24 blocks (vLLM refuses
+# to start on the matrix's 12). Until admission claimed the drafter group's growth
+# (``H2OManager.whole_group_headroom``) the decoder preempted a loaded request there, whose
+# recompute may leave the oracle (docs/semantics.md, "Preemption"); ``_decode_loaded`` asserts
+# that none is.
 TRANSFER_CASES = {"v1-chunked-sync-drafter": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"},
-                                                  num_gpu_blocks_override=48, drafter=True),
+                                                  num_gpu_blocks_override=24, drafter=True),
                   "v2-chunked-async-fp8": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
                                                env={V2_ENV: "1"}),
                   "v2-chunked-async-fp8-nixl": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
