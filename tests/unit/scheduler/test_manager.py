@@ -1,9 +1,10 @@
 """H2OManager on a real vLLM BlockPool: blocks counted in KV space, compacted tails freed,
-per-request budgets, nothing leaked, admission headroom (prefix caching: test_prefix_manager.py).
+per-request budgets, nothing leaked (admission headroom: test_admission.py; prefix caching:
+test_prefix_hits.py).
 
 Requests are vLLM's real ``vllm.v1.request.Request``. The manager is called as
 ``KVCacheManager.allocate_slots`` calls it (free skipped blocks, count, allocate; logical token
-counts). Expected counts come from ``policy.kv_len_after`` / ``peak_kv_len`` or by hand.
+counts). Expected counts come from ``policy.kv_len_after`` or by hand.
 """
 import pytest
 import torch
@@ -19,7 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from h2o_vllm.config import Budget, H2OConfig
-from h2o_vllm.policy import kv_len_after, peak_kv_len
+from h2o_vllm.policy import kv_len_after
 from h2o_vllm.scheduler.manager import H2OManager
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 
@@ -131,43 +132,6 @@ def test_manager_free_returns_every_block_and_forgets_request():
     assert m.admission_headroom(_request("c", 10, max_tokens=6), 10, MAX_LEN) == 0
 
 
-@pytest.mark.parametrize("prompt_len, max_tokens", [(100, 50), (10, 40)])
-def test_manager_admission_headroom_alone_is_what_peak_exceeds_prefill(prompt_len, max_tokens):
-    # Nothing runs: the newcomer needs room only for what its peak exceeds its prefill.
-    # (100, 50): peak 32 tokens = 2 blocks < 7 allocated; (10, 40): peak 32 = 2 blocks > 1.
-    peak = cdiv(peak_kv_len(prompt_len, prompt_len + max_tokens, BUDGET), BLOCK)
-    expected = max(0, peak - cdiv(prompt_len, BLOCK))
-    assert expected == (0 if prompt_len == 100 else 1)
-    newcomer = _request("c", prompt_len, max_tokens)
-    assert _manager().admission_headroom(newcomer, prompt_len, MAX_LEN) == expected
-
-
-def test_manager_admission_headroom_keeps_running_claims():
-    m = _manager()
-    a = _request("a", 40)  # engine budget: compacted to 16 tokens, holds 1 block, peaks at 32
-    wide = {"h2o_heavy_tokens": 16, "h2o_recent_tokens": 16, "h2o_interval": 48}
-    b = _request("b", 40, extra_args=wide)  # not compacted before 80 tokens: holds 3, peaks at 5
-    _prefill(m, a)
-    _prefill(m, b)
-    claims = {}
-    for r, budget in ((a, BUDGET), (b, Budget(16, 16, 48))):
-        held = len(m.req_to_blocks[r.request_id])
-        peak = cdiv(peak_kv_len(40, 140, budget), BLOCK)
-        assert peak <= cdiv(kv_len_after(40, 40, budget) + budget.interval, BLOCK)  # within an interval
-        claims[r.request_id] = peak - held
-    assert claims == {"a": 1, "b": 2}
-    reserve = sum(claims.values())
-    # A newcomer whose whole life fits in the block it allocates now: exactly the reserve.
-    assert cdiv(peak_kv_len(10, 16, BUDGET), BLOCK) == 1
-    assert m.admission_headroom(_request("c", 10, max_tokens=6), 10, MAX_LEN) == reserve
-    # A long prompt: allocating + headroom covers the running claims and its own peak.
-    big = _request("d", 100, max_tokens=50)
-    allocating, own_peak = cdiv(100, BLOCK), cdiv(peak_kv_len(100, 150, BUDGET), BLOCK)
-    assert allocating + m.admission_headroom(big, 100, MAX_LEN) >= reserve + own_peak
-    # A chunk of it (32 of 100 tokens): the rest of the prompt plus the running claims.
-    assert m.admission_headroom(_request("e", 100, 50), 32, MAX_LEN) == (cdiv(100, BLOCK) - 2) + reserve
-
-
 @settings(max_examples=60, deadline=None)
 @given(prompt_len=st.integers(1, 120), heavy=st.integers(0, 24), recent=st.integers(0, 24),
        interval=st.integers(1, 40), steps=st.integers(0, 80), chunk=st.integers(1, 128),
@@ -222,29 +186,3 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
     assert step.limit_step([m], request, 400, 1) == 1  # decoding: no limit
     m.free("r")
     assert m.block_pool.get_num_free_blocks() == m.block_pool.num_gpu_blocks - 1
-
-
-def test_admission_headroom_claims_a_chunked_prompts_peak_not_its_length():
-    unchunked, chunked = _manager(), _manager(CHUNKED)
-    for m, extra in ((unchunked, None), (chunked, {"h2o_prefill_chunk": 32})):
-        request = _request("new", 400, extra_args=extra)
-        m.budgets.resolve("new", 400, extra)
-        m.prompt_lens["new"] = 400
-        m._headroom = m.admission_headroom(request, 32, MAX_LEN)  # its first chunk now
-    assert unchunked._headroom == 25 - 2  # the rest of the prompt, held whole
-    # Chunked: its prompt's peak (16 + 32 tokens: 3 blocks) less the 2 allocated now.
-    assert chunked._headroom == 1
-
-
-def test_admission_headroom_claims_the_draft_slots_allocated_past_every_step():
-    """Under speculative decoding vLLM allocates ``num_lookahead_tokens`` slots past each step:
-    a sequence's peak and its next interval hold them too."""
-    config = H2OConfig(heavy_tokens=8, recent_tokens=8, interval=32)  # peaks at 16 + 32 = 3 blocks
-    plain, drafting = _manager(config), _manager(config)
-    newcomer = _request("c", 16, max_tokens=100)
-    for m, lookahead in ((plain, 0), (drafting, 3)):
-        m.budgets.resolve("c", 16)
-        m._headroom = m.admission_headroom(newcomer, 16, MAX_LEN, lookahead)
-    # Allocating 16 (+ 3) tokens now: the rest of 48 tokens, or of 51 (a fourth block).
-    assert (plain._headroom, drafting._headroom) == (3 - 1, 4 - 2)
-    assert plain._admitted["c"][0] == 3 and drafting._admitted["c"][0] == 4
