@@ -7,9 +7,19 @@ admission watermark is raised by these claims in ``scheduler.events.admission_wa
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from vllm.utils.math_utils import cdiv
 
 from h2o_vllm.policy import kv_len_after, peak_kv_len, prefill_peak_kv_len
+
+
+class Admitted(NamedTuple):
+    """What an admitted request may claim, recorded when it is admitted."""
+    peak: int       # blocks its H2O group holds at most
+    prefill: int    # blocks its prefill holds at most
+    horizon: int    # tokens it grows by between two checks (an interval or a chunk), drafts' too
+    length: int     # tokens of its whole sequence, drafts' too: what a whole group holds at most
 
 
 class AdmissionClaims:
@@ -32,21 +42,21 @@ class AdmissionClaims:
         max_len = min(prompt_len + request.max_tokens, max_model_len)
         peak = cdiv(peak_kv_len(prompt_len, max_len, budget) + lookahead, self.block_size)
         # A chunked prompt grows a chunk between checks, as a decoding sequence does an interval.
-        horizon = cdiv(max(budget.interval, budget.prefill_chunk or 0) + lookahead, self.block_size)
+        horizon = max(budget.interval, budget.prefill_chunk or 0) + lookahead
         # A recompute prefills its outputs too; a chunked prompt never holds more than its peak.
         prefill = cdiv(prefill_peak_kv_len(request.num_tokens, prompt_len, budget), self.block_size)
         computed = request.num_computed_tokens
         if rid in self.loaded:  # its prompt arrives compacted: it prefills nothing
             prefill = cdiv(self.loaded[rid] + request.num_tokens - prompt_len, self.block_size)
             computed = self.loaded[rid]
-        self._admitted[rid] = (peak, prefill, horizon, cdiv(max_len + lookahead, self.block_size))
+        self._admitted[rid] = Admitted(peak, prefill, horizon, max_len + lookahead)
         reserve = sum(self._next_interval_claim(other, len(blocks))
                       for other, blocks in self.req_to_blocks.items() if other != rid)
         allocating = cdiv(computed + num_new_tokens + lookahead, self.block_size)
         if allocating < prefill:  # a chunked prefill claims the rest while others grow
             return prefill - allocating + reserve
         after = cdiv(kv_len_after(request.num_tokens, prompt_len, budget), self.block_size)
-        return max(0, min(peak, after + horizon) + reserve - allocating)
+        return max(0, min(peak, after + cdiv(horizon, self.block_size)) + reserve - allocating)
 
     def whole_group_headroom(self, group, request, step_end: int) -> int:
         """What ``group``, a KV-cache group H2O leaves whole (a drafter's layers), claims beyond
@@ -62,18 +72,21 @@ class AdmissionClaims:
         sequences than stock vLLM; one interval keeps admission as optimistic as stock's is
         for a sequence that never compacts.
         """
-        size = group.block_size
+        size = group.block_size  # a drafter's own: vLLM sizes each group's blocks to one page
         reserve = 0
         for other, blocks in group.req_to_blocks.items():
-            if other != request.request_id:
-                _, _, horizon, whole = self._admitted.get(other, (0, 0, 0, 0))
-                reserve += max(0, min(whole, len(blocks) + horizon) - len(blocks))
-        _, _, horizon, whole = self._admitted[request.request_id]
-        after = min(whole, cdiv(request.num_tokens, size) + horizon)
+            if other != request.request_id and other in self._admitted:
+                claim = self._admitted[other]
+                grown = min(cdiv(claim.length, size), len(blocks) + cdiv(claim.horizon, size))
+                reserve += max(0, grown - len(blocks))
+        claim = self._admitted[request.request_id]
+        after = min(cdiv(claim.length, size), cdiv(request.num_tokens, size) + cdiv(claim.horizon, size))
         return reserve + max(0, after - cdiv(step_end, size))
 
     def _next_interval_claim(self, request_id: str, held: int) -> int:
-        peak, prefill, horizon, _ = self._admitted.get(request_id, (0, 0, 0, 0))
+        claim = self._admitted.get(request_id)
+        if claim is None:
+            return 0
         # Until its first compaction a sequence may still claim the rest of its prefill.
-        limit = peak if self.num_evicted.get(request_id, 0) else max(peak, prefill)
-        return max(0, min(limit, held + horizon) - held)
+        limit = claim.peak if self.num_evicted.get(request_id, 0) else max(claim.peak, claim.prefill)
+        return max(0, min(limit, held + cdiv(claim.horizon, self.block_size)) - held)

@@ -19,7 +19,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.policy import kv_len_after, prefill_peak_kv_len
-from h2o_vllm.scheduler.admission import AdmissionClaims
+from h2o_vllm.scheduler.admission import Admitted, AdmissionClaims
 from h2o_vllm.scheduler.records import Record, ScoreRecords
 from h2o_vllm.scheduler.spec import H2OAttentionSpec
 from h2o_vllm.vllm_hooks.kv_manager import redirect_to_copy
@@ -41,8 +41,7 @@ class H2OManager(AdmissionClaims, FullAttentionManager):
         # kv-space length = logical length - num_evicted.
         self.num_evicted: dict[str, int] = {}
         self.num_freed_blocks = 0
-        # (peak, prefill, horizon, whole sequence) in blocks, per admitted request.
-        self._admitted: dict[str, tuple[int, int, int, int]] = {}  # scheduler.admission
+        self._admitted: dict[str, Admitted] = {}  # what each admitted request may claim
         # Prefix caching (None when it is off): score records, and this step's orders.
         self.records = ScoreRecords(self.block_pool.num_gpu_blocks) if self.enable_caching else None
         self.hit_records: dict[str, Record | None] = {}  # request -> record of its cut hit

@@ -37,12 +37,10 @@ def _h2o_managers(kv_cache_manager) -> list:
 
 def _whole_groups(kv_cache_manager) -> list:
     """The full-attention groups H2O leaves whole (a drafter's layers): they grow with every
-    token. (A sliding window's or Mamba's groups give blocks back as they grow.)"""
+    token. (Exactly vLLM's class: H2O's managers derive from it, and the managers vLLM derives
+    from it, like the sliding windows' and Mamba's, are left to vLLM's own admission.)"""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
-    from h2o_vllm.scheduler.manager import H2OManager
-    return [m for m in kv_cache_manager.coordinator.single_type_managers
-            if isinstance(m, FullAttentionManager) and not isinstance(m, H2OManager)]
+    return [m for m in kv_cache_manager.coordinator.single_type_managers if type(m) is FullAttentionManager]
 
 
 def _add_request_wrapper(original):

@@ -69,4 +69,23 @@ def test_admission_headroom_claims_the_draft_slots_allocated_past_every_step():
         m._headroom = m.admission_headroom(newcomer, 16, MAX_LEN, lookahead)
     # Allocating 16 (+ 3) tokens now: the rest of 48 tokens, or of 51 (a fourth block).
     assert (plain._headroom, drafting._headroom) == (3 - 1, 4 - 2)
-    assert plain._admitted["c"][0] == 3 and drafting._admitted["c"][0] == 4
+    assert plain._admitted["c"].peak == 3 and drafting._admitted["c"].peak == 4
+
+
+def test_a_whole_group_claims_in_blocks_of_its_own_size():
+    """vLLM sizes each group's blocks to one page: a drafter with other head dimensions has
+    blocks of another size, and its claim counts them."""
+    import torch
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    h2o = _manager(H2OConfig(heavy_tokens=8, recent_tokens=8, interval=64))  # horizon: 64 tokens
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    drafter = FullAttentionManager(spec, block_pool=h2o.block_pool, enable_caching=False,
+                                   kv_cache_group_id=1, scheduler_block_size=BLOCK)
+    running = _request("a", 40, max_tokens=200)
+    _prefill(h2o, running)
+    drafter.allocate_new_blocks("a", 40, 40)  # 2 blocks of 32
+    newcomer = _request("c", 32, max_tokens=8)  # 40 tokens at most: 2 blocks of 32
+    h2o.admission_headroom(newcomer, 32, MAX_LEN)
+    # "a": 2 more blocks of 32 over its next 64 tokens; "c": one past its 32-token step.
+    assert h2o.whole_group_headroom(drafter, newcomer, 32) == 2 + 1
