@@ -22,6 +22,11 @@ class Admitted(NamedTuple):
     length: int     # tokens of its whole sequence, drafts' too: what a whole group holds at most
 
 
+def _growth(held: int, limit: int, horizon: int) -> int:
+    """Blocks a sequence holding ``held`` adds over the next ``horizon`` blocks, up to ``limit``."""
+    return max(0, min(limit, held + horizon) - held)
+
+
 class AdmissionClaims:
     def admission_headroom(self, request, num_new_tokens: int, max_model_len: int, lookahead: int = 0) -> int:
         """Free blocks to keep beyond what admitting ``request`` allocates now (vLLM adds it to
@@ -77,8 +82,7 @@ class AdmissionClaims:
         for other, blocks in group.req_to_blocks.items():
             if other != request.request_id and other in self._admitted:
                 claim = self._admitted[other]
-                grown = min(cdiv(claim.length, size), len(blocks) + cdiv(claim.horizon, size))
-                reserve += max(0, grown - len(blocks))
+                reserve += _growth(len(blocks), cdiv(claim.length, size), cdiv(claim.horizon, size))
         claim = self._admitted[request.request_id]
         after = min(cdiv(claim.length, size), cdiv(request.num_tokens, size) + cdiv(claim.horizon, size))
         return reserve + max(0, after - cdiv(step_end, size))
@@ -89,4 +93,4 @@ class AdmissionClaims:
             return 0
         # Until its first compaction a sequence may still claim the rest of its prefill.
         limit = claim.peak if self.num_evicted.get(request_id, 0) else max(claim.peak, claim.prefill)
-        return max(0, min(limit, held + cdiv(claim.horizon, self.block_size)) - held)
+        return _growth(held, limit, cdiv(claim.horizon, self.block_size))
