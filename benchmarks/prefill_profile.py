@@ -24,11 +24,11 @@ from pathlib import Path
 def timed_parts() -> list[tuple[str, object, object]]:
     """(part, owner, callable) of each callable timed in the worker, named by attribute reference:
     a function renamed or moved fails here (and in tests/unit/benchmarks/test_prefill_profile.py),
-    not by timing nothing. vLLM's own come through the seam (``vllm_hooks.introspect``). A part's
+    not by timing nothing. vLLM's own come through the seam (``vllm_shims.introspect``). A part's
     time excludes the time of the parts nested in it; "model and the rest" is the step's wall time
     outside all of them."""
-    from h2o_vllm.vllm_hooks import introspect
-    from h2o_vllm.worker import core, plan
+    from h2o_vllm.vllm_shims import introspect
+    from h2o_vllm.worker import attention_backend, plan
     from h2o_vllm.worker.cpu.ops import CPUOps
 
     vllm_attention = introspect.cpu_attention_impl()
@@ -38,9 +38,9 @@ def timed_parts() -> list[tuple[str, object, object]]:
         # The runner hook's step plan (each request's budget resolved once, then this), and the
         # attention metadata the builders derive from it.
         ("H2O step metadata", plan, plan.make_step_plan),
-        ("H2O step metadata", core, core.kv_space_metadata),
+        ("H2O step metadata", attention_backend, attention_backend.kv_space_metadata),
         # The rest of the per-layer sequence: the keep-sets (policy.select_keep) and the mass.
-        ("H2O keep-set selection", core, core.update_scores_and_compact),
+        ("H2O keep-set selection", attention_backend, attention_backend.update_scores_and_compact),
         ("H2O attention + scores", CPUOps, CPUOps.attend),
         ("H2O score pass", CPUOps, CPUOps.accumulate),
         ("H2O compaction", CPUOps, CPUOps.compact),

@@ -231,7 +231,7 @@ def run_one(job: dict) -> dict:
     import vllm.benchmarks.throughput as harness
 
     from h2o_vllm.frontend import cli
-    from h2o_vllm.vllm_hooks import introspect
+    from h2o_vllm.vllm_shims import introspect
 
     observed: dict = {}
     original = harness._run_vllm_requests

@@ -213,7 +213,7 @@ class RunStats:
 
 def scheduler_of(llm):
     """The in-process scheduler (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    from h2o_vllm.vllm_hooks import introspect
+    from h2o_vllm.vllm_shims import introspect
     return introspect.in_process_scheduler(llm.llm_engine)
 
 
@@ -239,7 +239,7 @@ def measure(llm, prompts: list[list[int]], params, progress=None) -> RunStats:
     ``progress``: a tqdm bar advanced
     per finished request.
     """
-    from h2o_vllm.vllm_hooks import introspect
+    from h2o_vllm.vllm_shims import introspect
 
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)

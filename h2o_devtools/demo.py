@@ -38,7 +38,7 @@ def _run(model_dir: str, prompts: list[str], max_tokens: int, block_size: int, h
     from vllm import LLM, SamplingParams
 
     kwargs = {"additional_config": {"h2o": h2o}} if h2o is not None else {}
-    from h2o_vllm.vllm_hooks import introspect
+    from h2o_vllm.vllm_shims import introspect
 
     llm = LLM(model_dir, dtype="float32", max_model_len=2048, block_size=block_size,
               enforce_eager=True, enable_prefix_caching=False, seed=0, **kwargs)

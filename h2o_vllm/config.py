@@ -241,6 +241,11 @@ def request_config(base: H2OConfig, extra_args: Mapping[str, Any] | None) -> H2O
     return base.with_overrides(overrides) if overrides else base
 
 
+#: Decode queries a row keeps waiting on the CPU backend at most (``worker.cpu.deferred``): 16 x
+#: the query group makes the tile products efficient; each costs one query vector per layer of
+#: memory. Here because process 0 refuses more drafts per step than it holds (``frontend.conflicts``).
+MAX_PENDING = 16
+
 #: The environment switch of the test mode that runs H2O's CUDA path inside vLLM's CPU engine,
 #: every Triton kernel interpreted (``vllm_hooks.triton_on_cpu``); here because process 0's
 #: settings (``frontend.cuda_config``) read it as well as the hooks.

@@ -12,13 +12,15 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    # Imported here, not at module top: vLLM only logs a failed plugin import, while an
-    # error raised inside register() stops start-up with our message.
-    from h2o_vllm import vllm_hooks
-    vllm_hooks.check_vllm_version()
+    # Imported here, not at module top: vLLM only logs a failed plugin import, while an error
+    # raised inside register() stops start-up with our message. The version goes first, before
+    # any module that names vLLM's internals is imported.
+    from h2o_vllm.vllm_shims.symbols import check_vllm_version  # plugin order: before the hooks
+    check_vllm_version()
+    from h2o_vllm import metrics, vllm_hooks  # plugin order: after the version check
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.cpu.backend.H2OCPUAttentionBackend")
-    _register_cuda_backend()
+    _register_cuda_backend(vllm_hooks.triton_on_cpu.CUDA_BACKEND)
     vllm_hooks.install_triton_on_cpu()  # H2O_VLLM_TRITON_ON_CPU=1 only: the CUDA path on the CPU
     vllm_hooks.register_kv_cache_spec()
     vllm_hooks.register_kv_connector()
@@ -29,13 +31,12 @@ def register() -> None:
     vllm_hooks.install_cli_flags_hook()
     vllm_hooks.install_request_validation_hook()
     vllm_hooks.install_metrics_hooks()
-    from h2o_vllm import metrics
     metrics.setup_process0()  # before vLLM spawns the engine core: children inherit the path
     vllm_hooks.share_env_with_ray_workers(metrics.DIR_ENV)  # Ray workers get it from vLLM
     _registered = True
 
 
-def _register_cuda_backend(is_cuda: bool | None = None) -> None:
+def _register_cuda_backend(backend: str, is_cuda: bool | None = None) -> None:
     """On CUDA, ``--attention-backend CUSTOM`` selects H2O's Triton backend (h2o_vllm.frontend.cuda_config
     picks CUSTOM when H2O is on and no backend was named). Other platforms are left alone."""
     if is_cuda is None:
@@ -43,6 +44,4 @@ def _register_cuda_backend(is_cuda: bool | None = None) -> None:
         is_cuda = current_platform.is_cuda()
     if is_cuda:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-        from h2o_vllm.vllm_hooks.triton_on_cpu import CUDA_BACKEND
-        register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+        register_backend(AttentionBackendEnum.CUSTOM, backend)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import sys
 
+import h2o_vllm
+
 SUBCOMMANDS = ("serve", "bench")
 
 
@@ -34,7 +36,6 @@ def _vllm_main() -> None:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    import h2o_vllm
 
     cli_env_setup()
     if sys.argv[1:2] == ["bench"]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from h2o_vllm.config import H2OConfig
-from h2o_vllm.frontend import kv_transfer_config
+from h2o_vllm.config import MAX_PENDING, H2OConfig
+from h2o_vllm.kv_transfer import transfer_config
 
 _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
 
@@ -24,7 +24,7 @@ def check_engine_args(args: Any, h2o: H2OConfig) -> None:
     _check_speculative_args(args)
     kv_transfer = getattr(args, "kv_transfer_config", None)
     if kv_transfer is not None:
-        kv_transfer_config.check(kv_transfer, way_out=_OFF)
+        transfer_config.check(kv_transfer, way_out=_OFF)
     pp = getattr(args, "pipeline_parallel_size", 1) or 1
     if pp > 1:
         _refuse_pipeline_parallel(pp)
@@ -41,7 +41,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
         _check_device_ngram_runner(method, getattr(vllm_config, "use_v2_model_runner", False))
     kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer is not None:
-        kv_transfer_config.check(kv_transfer, way_out=_OFF)
+        transfer_config.check(kv_transfer, way_out=_OFF)
     parallel = getattr(vllm_config, "parallel_config", None)
     pp = getattr(parallel, "pipeline_parallel_size", 1) if parallel is not None else 1
     if pp > 1:
@@ -51,7 +51,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     if model is not None:
         check_model(model)
         if kv_transfer is not None:
-            kv_transfer_config.check_model(model, SLIDING_LAYERS, way_out=_OFF)
+            transfer_config.check_model(model, SLIDING_LAYERS, way_out=_OFF)
         check_budget_fits(h2o, model.max_model_len, vllm_config.cache_config.block_size)
 
 
@@ -136,7 +136,7 @@ def check_budget_fits(h2o: H2OConfig, max_model_len: int, block_size: int) -> No
 #: Speculators H2O runs with (docs/semantics.md, "Speculative decoding"): n-gram drafts come
 #: from the token history and have no KV cache; a draft model's, an EAGLE head's and a model's
 #: own MTP layers keep their KV cache whole, in KV-cache groups of their own
-#: (``scheduler.spec.h2o_specs``). vLLM names MTP layers "mtp" or by family ("mimo_mtp", ...);
+#: (``spec.h2o_specs``). vLLM names MTP layers "mtp" or by family ("mimo_mtp", ...);
 #: "ngram_gpu" is the n-gram lookup run on the device (a worker-side drafter, so async
 #: scheduling stays on with it).
 SPECULATORS = ("ngram", "ngram_gpu", "draft_model", "eagle", "eagle3", "mtp")
@@ -215,8 +215,7 @@ def check_speculative(method: str | None, num_tokens: int | None, flag: str) -> 
             f'"<a smaller model with the same tokenizer>", "num_speculative_tokens": 3}}\' ('
             '\'{"method": "mtp", "num_speculative_tokens": 1}\' for a model with MTP layers of its own), '
             f'or drop {flag}, {_OFF}')
-    from h2o_vllm.worker.cpu.deferred import MAX_PENDING  # a row's waiting queries, the known token's too
-    if num_tokens is not None and num_tokens + 1 > MAX_PENDING:
+    if num_tokens is not None and num_tokens + 1 > MAX_PENDING:  # the drafts and the known token wait
         raise ValueError(
             f"num_speculative_tokens={num_tokens} ({flag}) is more than H2O keeps for one "
             f"verification step ({MAX_PENDING - 1} drafts). Lower num_speculative_tokens, {_OFF}")

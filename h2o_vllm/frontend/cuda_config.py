@@ -8,7 +8,7 @@ WARNING) and refuses what the user asked for explicitly and H2O cannot run with;
 its model runner (V2 on CUDA; V1 on the CPU unless ``VLLM_USE_V2_MODEL_RUNNER=1`` under
 ``H2O_VLLM_TRITON_ON_CPU``), each with its runner hook (``vllm_hooks.runner``,
 ``vllm_hooks.runner_v2``); and async scheduling, since H2O's scheduler accounts each step's
-compaction when it schedules the step (``scheduler.events.cut_scheduled``).
+compaction when it schedules the step (``scheduler.scheduling.cut_scheduled``).
 
 Why each setting:
 - Backend: H2O's builder and impl live in ``H2OTritonAttentionBackend``, registered as
@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
+from h2o_vllm.vllm_shims.cpu_attention import reads_fp8
 
 logger = logging.getLogger("h2o_vllm")
 
@@ -133,7 +134,6 @@ def cpu_fp8_refusal(cache_dtype: str, block_size: int, head_size: int, isa_reads
 
 
 def _cpu_reads_fp8() -> bool:
-    from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
     return reads_fp8()
 
 

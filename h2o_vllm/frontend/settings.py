@@ -11,7 +11,8 @@ import logging
 from typing import Any
 
 from h2o_vllm.config import H2OConfig, config_from_additional
-from h2o_vllm.frontend import conflicts, cuda_config, kv_transfer_config
+from h2o_vllm.frontend import conflicts, cuda_config
+from h2o_vllm.kv_transfer import transfer_config
 
 logger = logging.getLogger("vllm.h2o_vllm")  # vLLM's handler prints its "vllm." loggers
 
@@ -24,7 +25,7 @@ def settle_engine_args(args: Any) -> H2OConfig | None:
     if h2o is None:
         return None
     conflicts.check_engine_args(args, h2o)
-    if (connector := kv_transfer_config.settle(args)) is not None:
+    if (connector := transfer_config.settle(args)) is not None:
         logger.info("h2o: the KV connector is %s (on the settings given; it carries H2O's kept KV "
                     "and scores: docs/kv-transfer.md)", connector)
     cuda_config.adjust_engine_args(args)  # CUDA path: backend; CUDA only: runner, async, graphs

@@ -9,7 +9,7 @@ pass, also run after the fused attention) and ``compact`` (``compact_rows``); ``
 what the score kernels share. ``accumulate_decode_scores`` and ``accumulate_prefill_scores``
 are the unfused path, kept as the tested reference of the fused one. Each op comes in three:
 ``<op>_kernel`` (jit), the ``<op>`` launcher (importable from here), and (score and compaction
-ops) a plain-torch twin of the same name in ``h2o_vllm.kernels.twins``. Launchers load lazily,
+ops) a plain-torch twin of the same name in ``h2o_vllm.kernels.torch_ops``. Launchers load lazily,
 so the twins (torch only) import without Triton; the launchers' shared argument checks live
 here. Set ``TRITON_INTERPRET=1`` before the first import of a kernel module to run the kernels
 on CPU.

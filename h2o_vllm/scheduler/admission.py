@@ -3,7 +3,7 @@ will grow into over their next interval, in its own KV-cache group and in the fu
 groups H2O leaves whole (a drafter's), so that an admission never makes vLLM preempt.
 
 A mixin of ``H2OManager`` (it reads the manager's block lists, budgets and loads); vLLM's
-admission watermark is raised by these claims in ``scheduler.events.admission_watermark``.
+admission watermark is raised by these claims in ``scheduler.scheduling.admission_watermark``.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.policy import kv_len_after, prefill_peak_kv_len
 from h2o_vllm.scheduler.admission import Admitted, AdmissionClaims
 from h2o_vllm.scheduler.records import Record, ScoreRecords
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.vllm_hooks.kv_manager import redirect_to_copy
+from h2o_vllm.spec import H2OAttentionSpec
+from h2o_vllm.vllm_shims.kv_manager import redirect_to_copy
 
 logger = logging.getLogger("h2o_vllm")
 
@@ -33,7 +33,7 @@ class H2OManager(AdmissionClaims, FullAttentionManager):
 
     def __init__(self, kv_cache_spec: H2OAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        # Filled as requests are added (scheduler.events.add_request); a request the scheduler
+        # Filled as requests are added (scheduler.scheduling.add_request); a request the scheduler
         # never announced runs with the engine's budget.
         self.budgets = RequestBudgets(kv_cache_spec.h2o, kv_cache_spec.block_size)
         self.prompt_lens: dict[str, int] = {}
@@ -54,13 +54,13 @@ class H2OManager(AdmissionClaims, FullAttentionManager):
         self.step_cached: set[int] = set()     # blocks first cached while scheduling this step
         self.awaiting: set[str] = set()        # waiting requests a record being written will serve
         self.waited: set[str] = set()          # requests that have waited for one already
-        # KV transfer (scheduler.transfer): requests whose prompt's state a connector loads,
+        # KV transfer (kv_transfer.transfer_scheduler): requests whose prompt's state a connector loads,
         # -> the KV positions it loads.
         self.loaded: dict[str, int] = {}
 
     def prompt_len_of(self, request) -> int:
         """H2O's prompt length of ``request``: vLLM's, except for a KV-transfer consumer's
-        request, which continues the producer's shorter prompt (``scheduler.transfer``)."""
+        request, which continues the producer's shorter prompt (``kv_transfer.transfer_scheduler``)."""
         return self.prompt_lens.get(request.request_id, request.num_prompt_tokens)
 
     def load(self, request_id: str, prompt_len: int, kv_len: int) -> None:
@@ -235,3 +235,15 @@ class H2OManager(AdmissionClaims, FullAttentionManager):
         for j, (source, copy) in enumerate(zip(hit, copies)):
             redirect_to_copy(self, request_id, j, source, copy)
             self.step_score_inits.append((copy.block_id, record.slots[j] if record else -1))
+
+
+def h2o_managers(kv_cache_manager) -> list[H2OManager]:
+    """The H2O managers of a ``KVCacheManager``, one per H2O KV-cache group, in group order."""
+    return [m for m in kv_cache_manager.coordinator.single_type_managers if isinstance(m, H2OManager)]
+
+
+def whole_managers(kv_cache_manager) -> list[FullAttentionManager]:
+    """The full-attention groups H2O leaves whole (a drafter's layers): they grow with every
+    token. (Exactly vLLM's class: H2O's managers derive from it, and the managers vLLM derives
+    from it, like the sliding windows' and Mamba's, are left to vLLM's own admission.)"""
+    return [m for m in kv_cache_manager.coordinator.single_type_managers if type(m) is FullAttentionManager]

@@ -5,7 +5,7 @@ module of the process they run in: ``engine_args`` and ``request_validation`` (p
 ``engine_core`` (the scheduler's process), ``runner`` (the step sequence both runners share),
 ``runner_v1``, ``runner_v2`` and ``cpu_attention`` (worker). A wrapper only reads vLLM's objects
 and applies what a named function outside this package decides (``worker.runner_state``,
-``worker.plan``, ``scheduler.events``, ``scheduler.spec``, ``frontend.settings``,
+``worker.plan``, ``scheduler.scheduling``, ``spec``, ``frontend.settings``,
 ``frontend.requests``, ``metrics``); ``seam`` holds the lookup, wrapping and version-guard
 helpers every hook module uses. Two modules touch vLLM's private objects without wrapping
 anything: ``kv_manager`` (``H2OManager``'s call into vLLM's copy-on-write) and ``introspect``
@@ -17,7 +17,7 @@ block pool, preemption count).
   Why: vLLM 0.32's V1 runner gives attention builders no request identity or prompt length,
   and a block-table row only grows. The hook reads the batch and passes it to
   ``worker.plan.plan_batch`` (per row: the request's ``Budget``, KV-space lengths); the plan
-  reaches the builders through ``worker.core.building`` (``H2OBuilderMixin.plan``) and the
+  reaches the builders through ``worker.attention_backend.building`` (``H2OBuilderMixin.plan``) and the
   layers through the attention metadata; the hook truncates the rows
   ``worker.plan.rows_to_truncate`` names, in step with ``H2OManager`` freeing their tail blocks
   at the next schedule. Per-runner state (budgets, orders, rewrites) is one
@@ -37,15 +37,15 @@ block pool, preemption count).
 - ``install_runner_hook`` also wraps ``GPUModelRunner.get_kv_cache_spec``.
   Why: ``AttentionBackend.customize_spec`` is a classmethod without the config, so it cannot
   tell whether H2O is on; the runner can. Full-attention specs become ``H2OAttentionSpec``
-  (``scheduler.spec.h2o_specs``).
+  (``spec.h2o_specs``).
 - ``install_scheduler_hook`` wraps ``Scheduler.add_request`` / ``Scheduler._free_blocks``.
   Why: a single-type KV-cache manager only sees request ids, not per-request budgets
-  (``SamplingParams.extra_args``): ``scheduler.events.add_request`` resolves each request's
+  (``SamplingParams.extra_args``): ``scheduler.scheduling.add_request`` resolves each request's
   ``Budget`` into the managers' ``RequestBudgets``, ``finish_request`` drops it. Remove when
   managers receive the request.
 - ``install_scheduler_hook`` also wraps ``Scheduler.schedule``: once vLLM has counted the
   step's tokens, each scheduled request's block list is cut to what the step's compaction
-  leaves and the tail is freed (``scheduler.events.cut_scheduled``); ``H2OManager`` ignores
+  leaves and the tail is freed (``scheduler.scheduling.cut_scheduled``); ``H2OManager`` ignores
   vLLM's own ``remove_skipped_blocks`` calls (processed-token basis). Why: the workers truncate
   their rows while they run the step, and under async scheduling the next step is scheduled
   before this one's output is processed; vLLM also frees skipped blocks lazily in
@@ -56,7 +56,7 @@ block pool, preemption count).
   adjustment vLLM makes to a request's tokens for a step (running and waiting requests both
   pass through it, after the token budget and ``long_prefill_token_threshold``): with
   ``prefill_chunk`` the step is cut at the request's next prefill-chunk end
-  (``scheduler.events.limit_step``); so are a speculative step's drafts, before the
+  (``scheduler.scheduling.limit_step``); so are a speculative step's drafts, before the
   request's next compaction. Why: vLLM has no per-request chunk alignment
   (``long_prefill_token_threshold`` is engine-wide and not aligned to positions); the
   cadence checks chunk ends, which must not depend on the batch. Upstream: a per-request
@@ -66,13 +66,13 @@ block pool, preemption count).
   speculative decoding vLLM pads a request admitted with one token left (a prefix-cache hit
   or a KV-connector load up to its last token) with dummy drafts, always rejected, and
   asserts the padded row whole, so ``limit_step`` leaves it; where a compaction would fall
-  among the dummies the hook takes them off (``scheduler.events.drop_padding``) and the row
+  among the dummies the hook takes them off (``scheduler.scheduling.drop_padding``) and the row
   runs its one token alone, as vLLM runs a row it does not pad. Why: a step with drafts must
   not compact (docs/semantics.md, "Speculative decoding"). Upstream: padding a row only where
   the scheduler's step limit leaves room. Remove when vLLM pads no admitted row, or asks.
 - ``install_scheduler_hook`` also wraps ``KVCacheManager.allocate_slots``: for an admission
   (request WAITING or PREEMPTED) it raises ``watermark_blocks``, vLLM's admission headroom, to
-  ``scheduler.events.admission_watermark`` for that one call (its keyword arguments give the
+  ``scheduler.scheduling.admission_watermark`` for that one call (its keyword arguments give the
   step's end and the draft slots, ``num_lookahead_tokens``). Why: H2O sequences have a known, small
   peak; vLLM admits greedily and preempts (recomputes) when running sequences then cannot grow.
   Upstream: a per-spec admission reserve hook in the KV-cache manager.
@@ -84,12 +84,12 @@ block pool, preemption count).
   wraps ``GPUModelRunner._update_states`` to take those orders and to give the rows that
   compacted into fresh blocks those blocks before vLLM appends the next ones.
   ``H2OManager.add_local_computed_blocks`` calls vLLM's private ``_apply_cow`` (through
-  ``vllm_hooks.kv_manager.redirect_to_copy``) so that vLLM
+  ``vllm_shims.kv_manager.redirect_to_copy``) so that vLLM
   copies each hit block into one of the request's own before the step.
   Why: vLLM has no hook for a KV-cache manager to veto part of a hit, to send per-step data
   to the workers, or to remap a request's blocks. Upstream: a manager-level hit filter and a
   plugin payload on SchedulerOutput. Remove when vLLM has them.
-- ``vllm_hooks.cpu_attention.use_readable_isa`` (called by ``H2OCPUMetadataBuilder``) sets
+- ``vllm_shims.cpu_attention.use_readable_isa`` (called by ``H2OCPUMetadataBuilder``) sets
   the CPU builder's ``isa`` and calls its private ``_set_isa_to_layers``.
   Why: H2O reads K back in the ``vec``/``vec16`` layouts only; vLLM may pick AMX.
   Remove when vLLM exposes a readable K view of every CPU layout.
@@ -141,7 +141,7 @@ block pool, preemption count).
 - KV transfer (docs/kv-transfer.md): ``register_kv_connector`` registers
   ``H2OStorageConnector`` and ``H2ONixlConnector`` (module ``connector``, ``KVConnectorBase_V1``
   subclasses: vLLM's
-  public connector API, each method a call into ``scheduler.transfer`` or ``worker.transfer``)
+  public connector API, each method a call into ``kv_transfer.transfer_scheduler`` or ``kv_transfer.save_load``)
   with ``KVConnectorFactory``; it reads its own metadata through the base class's
   ``_get_connector_metadata`` and the attention layers from the compilation config's
   ``static_forward_context``. The scheduler hook's ``add_request`` asks it for a consumer
@@ -179,38 +179,19 @@ block pool, preemption count).
 """
 from __future__ import annotations
 
-from h2o_vllm.vllm_hooks.seam import (_MARK, SUPPORTED_VLLM, _h2o_of, _require, _wrap,  # noqa: F401
-                                      check_vllm_version, logger)
+# One namespace for plugin.register() and the tests: each installer lives in the module of the
+# process it runs in.
+from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook
+from h2o_vllm.vllm_hooks.engine_core import install_metrics_hooks, install_scheduler_hook, share_env_with_ray_workers
+from h2o_vllm.vllm_hooks.registries import register_kv_cache_spec, register_kv_connector
+from h2o_vllm.vllm_hooks.request_validation import install_request_validation_hook
+from h2o_vllm.vllm_hooks.runner_v1 import install_runner_hook
+from h2o_vllm.vllm_hooks.runner_v2 import install_runner_v2_hook
+from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu
+from h2o_vllm.vllm_hooks.wrapping import _MARK, _h2o_of, _wrap
+from h2o_vllm.vllm_shims.symbols import SUPPORTED_VLLM, _require, check_vllm_version, logger
 
-
-def register_kv_cache_spec() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    from h2o_vllm.scheduler.manager import H2OManager
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
-
-    KVCacheSpecRegistry._ensure_registered()
-    # Its own base: H2O layers share a KV-cache group only with H2O layers, so a drafter's
-    # full-attention layers (left whole) get groups and block tables of their own.
-    KVCacheSpecRegistry.register(H2OAttentionSpec, H2OManager, uniform_type_base_spec=H2OAttentionSpec)
-
-
-def register_kv_connector() -> None:
-    """H2O's connectors by name in vLLM's connector registry (every process)."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    from h2o_vllm.frontend.kv_transfer_config import H2O_CONNECTOR, H2O_NIXL_CONNECTOR
-    for name in (H2O_CONNECTOR, H2O_NIXL_CONNECTOR):
-        if name not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(name, "h2o_vllm.vllm_hooks.connector", name)
-
-
-# Re-exported: plugin.register() and the tests use the package as one namespace.
-from h2o_vllm.vllm_hooks.engine_args import install_cli_flags_hook, install_engine_args_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.request_validation import install_request_validation_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.runner_v1 import install_runner_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.runner_v2 import install_runner_v2_hook  # noqa: E402
-from h2o_vllm.vllm_hooks.engine_core import (install_metrics_hooks, install_scheduler_hook,  # noqa: E402
-                                           share_env_with_ray_workers)
-from h2o_vllm.vllm_hooks.triton_on_cpu import install as install_triton_on_cpu  # noqa: E402
+__all__ = ["SUPPORTED_VLLM", "_MARK", "_h2o_of", "_require", "_wrap", "check_vllm_version", "install_cli_flags_hook",
+           "install_engine_args_hook", "install_metrics_hooks", "install_request_validation_hook",
+           "install_runner_hook", "install_runner_v2_hook", "install_scheduler_hook", "install_triton_on_cpu",
+           "logger", "register_kv_cache_spec", "register_kv_connector", "share_env_with_ray_workers"]

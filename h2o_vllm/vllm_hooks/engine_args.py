@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import functools
 
-from h2o_vllm.vllm_hooks.seam import _MARK, _require, _wrap
+from h2o_vllm.vllm_shims.symbols import _require
+from h2o_vllm.vllm_hooks.wrapping import _MARK, _wrap
+from h2o_vllm.frontend import flags
+from h2o_vllm.frontend import settings
+from h2o_vllm.vllm_hooks import triton_on_cpu
 
 
 def install_engine_args_hook() -> None:
@@ -16,8 +20,6 @@ def install_engine_args_hook() -> None:
 
 def _create_engine_config_wrapper(original):
     def create_engine_config(self, *args, **kwargs):
-        from h2o_vllm.frontend import settings
-        from h2o_vllm.vllm_hooks import triton_on_cpu
         triton_on_cpu.install()  # this process's plugin may have loaded before the switch was set
         h2o = settings.settle_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
@@ -35,7 +37,6 @@ def install_cli_flags_hook() -> None:
 
     @functools.wraps(original)
     def add_cli_args(parser, *args, **kwargs):
-        from h2o_vllm.frontend import flags
         parser = original(parser, *args, **kwargs)
         flags.add_h2o_args(parser)
         _fold_after_parse(parser)
@@ -55,7 +56,6 @@ def _fold_after_parse(parser) -> None:
 
     @functools.wraps(original)
     def parse_known_args(args=None, namespace=None):
-        from h2o_vllm.frontend import flags
         namespace, rest = original(args, namespace)
         try:
             flags.fold_namespace(namespace)

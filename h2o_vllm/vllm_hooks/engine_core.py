@@ -8,9 +8,12 @@ from __future__ import annotations
 import logging
 import os
 
+from h2o_vllm.kv_transfer.connector import H2OConnector
 from h2o_vllm.prefix_orders import ATTRIBUTE
-from h2o_vllm.scheduler import events, prefix_hits
-from h2o_vllm.vllm_hooks.seam import _h2o_of, _wrap
+from h2o_vllm.scheduler import prefix_hits, scheduling
+from h2o_vllm.scheduler.manager import h2o_managers, whole_managers
+from h2o_vllm.vllm_hooks.wrapping import _h2o_of, _wrap
+from h2o_vllm import metrics
 
 
 def install_scheduler_hook() -> None:
@@ -29,24 +32,10 @@ def install_scheduler_hook() -> None:
     _wrap("vllm.v1.engine.core:EngineCore.preprocess_add_request", _preprocess_add_request_wrapper)
 
 
-def _h2o_managers(kv_cache_manager) -> list:
-    """The H2O managers of a ``KVCacheManager`` (one per H2O KV-cache group)."""
-    from h2o_vllm.scheduler.manager import H2OManager
-    return [m for m in kv_cache_manager.coordinator.single_type_managers if isinstance(m, H2OManager)]
-
-
-def _whole_groups(kv_cache_manager) -> list:
-    """The full-attention groups H2O leaves whole (a drafter's layers): they grow with every
-    token. (Exactly vLLM's class: H2O's managers derive from it, and the managers vLLM derives
-    from it, like the sliding windows' and Mamba's, are left to vLLM's own admission.)"""
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-    return [m for m in kv_cache_manager.coordinator.single_type_managers if type(m) is FullAttentionManager]
-
-
 def _add_request_wrapper(original):
     def add_request(self, request):
         if _h2o_of(self) is not None:
-            events.add_request(_h2o_managers(self.kv_cache_manager), request,
+            scheduling.add_request(h2o_managers(self.kv_cache_manager), request,
                                _transfer_prompt_len(self.connector, request))
         return original(self, request)
     return add_request
@@ -60,7 +49,6 @@ def _transfer_prompt_len(connector, request) -> int | None:
 
 def _transfer_of(connector):
     """The ``TransferScheduler`` behind H2O's connector, or None."""
-    from h2o_vllm.vllm_hooks.connector import H2OConnector
     return connector.transfer if isinstance(connector, H2OConnector) else None
 
 
@@ -78,7 +66,7 @@ def _preprocess_add_request_wrapper(original):
 def _free_blocks_wrapper(original):
     def _free_blocks(self, request):
         if _h2o_of(self) is not None:
-            events.finish_request(_h2o_managers(self.kv_cache_manager), request.request_id)
+            scheduling.finish_request(h2o_managers(self.kv_cache_manager), request.request_id)
         return original(self, request)
     return _free_blocks
 
@@ -92,7 +80,7 @@ def _reserve_prefill_lookahead_wrapper(original):
         num_new_tokens = original(self, request, num_computed_tokens, num_new_tokens)
         if _h2o_of(self) is None or num_new_tokens == 0:
             return num_new_tokens
-        return events.limit_step(_h2o_managers(self.kv_cache_manager), request,
+        return scheduling.limit_step(h2o_managers(self.kv_cache_manager), request,
                                        num_computed_tokens, num_new_tokens)
     return _reserve_prefill_lookahead
 
@@ -102,7 +90,7 @@ def _update_after_schedule_wrapper(original):
     scheduler's override calls this first): H2O takes vLLM's padding off rows it would cut."""
     def _update_after_schedule(self, scheduler_output):
         if _h2o_of(self) is not None:
-            events.drop_padding(_h2o_managers(self.kv_cache_manager), scheduler_output, self.requests)
+            scheduling.drop_padding(h2o_managers(self.kv_cache_manager), scheduler_output, self.requests)
         return original(self, scheduler_output)
     return _update_after_schedule
 
@@ -110,10 +98,10 @@ def _update_after_schedule_wrapper(original):
 def _update_from_output_wrapper(original):
     def update_from_output(self, *args, **kwargs):
         if _h2o_of(self) is not None:  # before vLLM frees the requests that finished
-            prefix_hits.commit_records(_h2o_managers(self.kv_cache_manager))
+            prefix_hits.commit_records(h2o_managers(self.kv_cache_manager))
         outputs = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
-            events.record_metrics(_h2o_managers(self.kv_cache_manager), self.running)
+            scheduling.record_metrics(h2o_managers(self.kv_cache_manager), self.running)
             transfer = _transfer_of(self.connector)
             if transfer is not None:
                 transfer.emit_first_tokens(outputs)
@@ -125,7 +113,7 @@ def _allocate_slots_wrapper(original):
     from vllm.v1.request import RequestStatus
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
-        managers = _h2o_managers(self)
+        managers = h2o_managers(self)
         if not managers:
             return original(self, request, num_new_tokens, *args, **kwargs)
         if prefix_hits.awaits_record(managers, request) and request.status == RequestStatus.WAITING:
@@ -133,7 +121,7 @@ def _allocate_slots_wrapper(original):
         base = self.watermark_blocks
         step_end = (request.num_computed_tokens + num_new_tokens + kwargs.get("num_new_computed_tokens", 0)
                     + kwargs.get("num_external_computed_tokens", 0))
-        self.watermark_blocks = events.admission_watermark(managers, _whole_groups(self), base, request,
+        self.watermark_blocks = scheduling.admission_watermark(managers, whole_managers(self), base, request,
                                                          num_new_tokens, step_end, self.max_model_len,
                                                          kwargs.get("num_lookahead_tokens", 0))
         try:
@@ -150,10 +138,10 @@ def _schedule_wrapper(original):
     def schedule(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
         if _h2o_of(self) is not None:
-            managers = _h2o_managers(self.kv_cache_manager)
+            managers = h2o_managers(self.kv_cache_manager)
             setattr(output, ATTRIBUTE, prefix_hits.step_orders(managers, output, self.requests))
-            events.cut_scheduled(managers, output, self.requests)
-            events.record_metrics(managers, self.running)
+            scheduling.cut_scheduled(managers, output, self.requests)
+            scheduling.record_metrics(managers, self.running)
         return output
     return schedule
 
@@ -162,7 +150,7 @@ def _get_computed_blocks_wrapper(original):
     """A prefix-cache hit, cut back to what H2O can resume from exactly."""
     def get_computed_blocks(self, request):
         blocks, num_tokens, boundary = original(self, request)
-        managers = _h2o_managers(self)
+        managers = h2o_managers(self)
         if not managers or not self.enable_caching:
             return blocks, num_tokens, boundary
         if len(managers) < len(self.coordinator.single_type_managers):
@@ -224,7 +212,6 @@ def _multiprocess_wrapper(original):
     def __init__(self, registry, path=None):
         original(self, registry, path)
         if registry is not None:
-            from h2o_vllm import metrics
             metrics.register_collector(registry)
     return __init__
 
@@ -233,7 +220,6 @@ def _stats_log_wrapper(original):
     def log(self):
         original(self)
         if _h2o_of(self) is not None:
-            from h2o_vllm import metrics
             line = metrics.summary_if_changed(self.__dict__)
             if line is not None:
                 # Under "vllm.": vLLM's handler and format, beside its own stats line.

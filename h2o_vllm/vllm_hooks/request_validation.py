@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing
 
 from h2o_vllm.frontend.requests import check_request_fits, check_request_overrides
-from h2o_vllm.vllm_hooks.seam import _wrap
+from h2o_vllm.vllm_hooks.wrapping import _wrap
 
 
 def install_request_validation_hook() -> None:

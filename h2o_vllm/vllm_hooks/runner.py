@@ -9,7 +9,7 @@ step is written here once:
    the ``RunnerState``.
 2. ``RunnerState.plan``: the batch's ``StepPlan``.
 3. The plan reaches the metadata builders for the one build of this batch
-   (``worker.core.building``); they turn it into the ``H2OStep`` every layer reads from its
+   (``worker.attention_backend.building``); they turn it into the ``H2OStep`` every layer reads from its
    attention metadata.
 4. ``finish_step``: compacted rows truncated, compactions counted.
 
@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from h2o_vllm.vllm_hooks.seam import _h2o_of, logger
+from h2o_vllm.vllm_shims.symbols import logger
+from h2o_vllm.vllm_hooks.wrapping import _h2o_of
+from h2o_vllm.budgets import RequestBudgets
+from h2o_vllm.kv_transfer.connector import transfer_orders
+from h2o_vllm.prefix_orders import ATTRIBUTE
+from h2o_vllm.spec import h2o_specs, is_h2o_spec
+from h2o_vllm.worker.attention_backend import H2OBuilderMixin
+from h2o_vllm.worker.plan import record_compactions
+from h2o_vllm.worker.runner_state import RunnerState
 
 #: The one attribute H2O adds to vLLM's model runner: its ``RunnerState``.
 STATE_ATTRIBUTE = "h2o_state"
@@ -33,8 +41,6 @@ def runner_state(runner):
         return None
     state = runner.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
-        from h2o_vllm.budgets import RequestBudgets
-        from h2o_vllm.worker.runner_state import RunnerState
         groups = _h2o_groups(runner)
         sizes = {size for _, size in groups}
         if len(sizes) != 1:  # one block size: the default interval
@@ -46,7 +52,6 @@ def runner_state(runner):
 
 def _h2o_groups(runner) -> list[tuple[int, int]]:
     """(KV-cache group id, block size) of each H2O group of the runner."""
-    from h2o_vllm.scheduler.spec import is_h2o_spec
     return [(i, g.kv_cache_spec.block_size) for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
             if is_h2o_spec(g.kv_cache_spec)]
 
@@ -54,7 +59,6 @@ def _h2o_groups(runner) -> list[tuple[int, int]]:
 def h2o_builders(attn_groups) -> list:
     """The H2O metadata builders among a runner's attention groups (one per group and
     micro-batch; a hybrid model's sliding-window groups included: they ignore the plan)."""
-    from h2o_vllm.worker.core import H2OBuilderMixin
     builders = []
     for groups in attn_groups:
         for group in groups:
@@ -75,7 +79,6 @@ def void_request_ids(scheduler_output) -> set[str]:
 def transferred_prompt_lens(scheduler_output) -> dict[str, int]:
     """KV transfer: this step's requests whose H2O prompt is shorter than vLLM's
     (``TransferOrders.prompt_lens``; H2O's connector metadata)."""
-    from h2o_vllm.vllm_hooks.connector import transfer_orders
     orders = transfer_orders(scheduler_output)
     return orders.prompt_lens if orders is not None else {}
 
@@ -89,7 +92,6 @@ def begin_step(state, scheduler_output,
                rewrite_row: Callable[[str, int, list[int]], None]) -> None:
     """Step 1: give rows that compacted into fresh blocks last step those blocks
     (``rewrite_row(request, group id, blocks)``), then keep this step's scheduler inputs."""
-    from h2o_vllm.prefix_orders import ATTRIBUTE
     due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output),
                            scheduled_drafts(scheduler_output), transferred_prompt_lens(scheduler_output))
     for (req_id, group_id), fresh in due.items():
@@ -99,7 +101,6 @@ def begin_step(state, scheduler_output,
 def finish_step(state, plan, truncate_row: Callable[[int, int, int, list[int] | None], None]) -> None:
     """Step 4: ``truncate_row(group id, row, blocks kept, fresh blocks or None)`` for each row
     this step compacts; count the step's compactions."""
-    from h2o_vllm.worker.plan import record_compactions
     for group_id, row, keep, fresh in state.compacted_rows(plan):
         logger.debug("h2o: request %s compacted from %d to %d KV tokens", plan.req_ids[row],
                      int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row]))
@@ -111,7 +112,6 @@ def _get_kv_cache_spec_wrapper(original):
     """Full-attention specs become ``H2OAttentionSpec`` (both runners), except a speculative
     drafter's own layers."""
     def get_kv_cache_spec(self):
-        from h2o_vllm.scheduler.spec import h2o_specs
         return h2o_specs(original(self), _h2o_of(self), drafter_layer_names(self))
     return get_kv_cache_spec
 

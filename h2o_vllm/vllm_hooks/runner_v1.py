@@ -13,7 +13,9 @@ import torch
 
 from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
                                        h2o_builders, runner_state)
-from h2o_vllm.vllm_hooks.seam import _wrap
+from h2o_vllm.vllm_hooks.wrapping import _wrap
+from h2o_vllm.worker.attention_backend import building
+from h2o_vllm.worker.runner_state import BatchRows
 
 
 def install_runner_hook() -> None:
@@ -41,7 +43,6 @@ def _build_attention_metadata_wrapper(original):
         state = runner_state(self) if scheduled is not None else None
         if state is None:
             return original(self, *args, **kwargs)
-        from h2o_vllm.worker.core import building
         plan = state.plan(_batch_rows(self, kwargs["num_reqs"] if "num_reqs" in kwargs else args[1],
                                       scheduled))
         with building(h2o_builders(self.attn_groups), plan):
@@ -66,7 +67,6 @@ def _drafters_own_group(runner, cm, slot_mappings):
 
 
 def _batch_rows(runner, num_reqs: int, scheduled: dict[str, int]):
-    from h2o_vllm.worker.runner_state import BatchRows
     batch, requests = runner.input_batch, runner.requests
     req_ids = batch.req_ids[:num_reqs]
 

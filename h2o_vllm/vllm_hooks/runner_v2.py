@@ -11,11 +11,11 @@ slot, a block count per KV-cache group and slot); a batch row maps to its slot t
 - ``update_requests``: ``begin_step``; rewritten rows are staged, so they land with the step's
   other block-table writes, before vLLM appends the step's new blocks after them.
 - ``prepare_attn`` (the runner's: block tables and slot mappings gathered for the step): the
-  step's plan is made from the ``InputBatch`` and armed on the builders (``worker.core.arm``);
+  step's plan is made from the ``InputBatch`` and armed on the builders (``worker.attention_backend.arm``);
   ``finish_step`` cuts the compacted rows' block counts (the gathered tables this step reads
   are copies, so the step still reads every block).
 - ``DefaultModelState.prepare_attn`` (builds the step's attention metadata): the builders build
-  with the plan armed for this very batch (``worker.core.take_armed``), as V1's do in
+  with the plan armed for this very batch (``worker.attention_backend.take_armed``), as V1's do in
   ``_build_attention_metadata``.
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ import torch
 
 from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
                                        h2o_builders, runner_state, transferred_prompt_lens)
-from h2o_vllm.vllm_hooks.seam import _wrap
+from h2o_vllm.vllm_hooks.wrapping import _wrap
+from h2o_vllm.worker.attention_backend import arm, building, take_armed
+from h2o_vllm.worker.runner_state import BatchRows
 
 
 def install_runner_v2_hook() -> None:
@@ -63,7 +65,6 @@ def _prepare_attn_wrapper(original):
         result = original(self, input_batch)
         state = runner_state(self)
         if state is not None:
-            from h2o_vllm.worker.core import arm
             plan = state.plan(_batch_rows(self, input_batch))
             arm(h2o_builders(self.attn_groups), input_batch, plan)
             finish_step(state, plan, lambda *row: _truncate_row(self, input_batch, *row))
@@ -74,7 +75,6 @@ def _prepare_attn_wrapper(original):
 def _model_state_prepare_attn_wrapper(original):
     def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
                      *args, **kwargs):
-        from h2o_vllm.worker.core import building, take_armed
         builders = h2o_builders(attn_groups)
         plan = take_armed(builders, input_batch)  # None on dummy, profiling and capture runs
         with building(builders, plan):
@@ -84,7 +84,6 @@ def _model_state_prepare_attn_wrapper(original):
 
 
 def _batch_rows(runner, input_batch):
-    from h2o_vllm.worker.runner_state import BatchRows
     n = input_batch.num_reqs
     slots = input_batch.idx_mapping_np[:n]
     states = runner.req_states

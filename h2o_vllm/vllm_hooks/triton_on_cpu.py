@@ -54,7 +54,7 @@ import sys
 from types import ModuleType
 
 from h2o_vllm.config import TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
-from h2o_vllm.vllm_hooks.seam import _wrap
+from h2o_vllm.vllm_hooks.wrapping import _wrap
 
 SWITCH = TRITON_ON_CPU_SWITCH
 CUDA_BACKEND = "h2o_vllm.worker.cuda.backend.H2OTritonAttentionBackend"

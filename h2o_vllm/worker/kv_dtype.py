@@ -3,7 +3,7 @@ with the layer's per-tensor scales.
 
 Runs in the worker process. vLLM allocates an fp8 cache as bytes; each device's ``DeviceOps``
 views it as ``fp8_dtype`` and reads an element back as ``fp8 * scale``, as vLLM's attention of
-that device does. The scales are vLLM's (``vllm_hooks.kv_scales``): 1.0 unless a checkpoint
+that device does. The scales are vLLM's (``vllm_shims.kv_scales``): 1.0 unless a checkpoint
 calibrated them, set once the weights have loaded, so they are read at every forward (two
 floats), never trusted from before.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from h2o_vllm.vllm_hooks.kv_scales import kv_scales
+from h2o_vllm.vllm_shims.kv_scales import kv_scales
 
 
 class StoredKVReads:

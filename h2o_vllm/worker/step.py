@@ -20,7 +20,7 @@ import torch
 
 from h2o_vllm import metrics
 from h2o_vllm.policy import select_keep
-from h2o_vllm.worker import prefix_records as prefix_cache
+from h2o_vllm.worker import prefix_records
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
 
@@ -125,11 +125,11 @@ def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size:
         sub = make_step(sub_plan, step.block_table, slots, block_size)
         return dataclasses.replace(sub, device_index=ops.step_index(sub, block_size))
     phases, snapshots = [], []
-    for sub_plan, snaps in prefix_cache.phase_plans(plan):
+    for sub_plan, snaps in prefix_records.phase_plans(plan):
         phases.append(sub_step(sub_plan))
         snapshots.append(snaps)
-    masked = prefix_cache.masked_plan(plan)
-    return prefix_cache.make_prefix_step(plan, step.block_table,
+    masked = prefix_records.masked_plan(plan)
+    return prefix_records.make_prefix_step(plan, step.block_table,
                                          None if masked is None else sub_step(masked),
                                          phases, snapshots, block_size)
 
@@ -140,7 +140,7 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
     A plan may cover only part of each row's queries (``worker.prefix_records.phase_plans``)."""
     device = block_table.device
     query_lens, kv_seq_lens = plan.query_lens, plan.kv_seq_lens
-    table = prefix_cache.compact_table(plan, block_table)
+    table = prefix_records.compact_table(plan, block_table)
     new = kv_slots[:int(query_lens.sum())]
     starts = plan.query_starts
     decode = (query_lens == 1).nonzero().flatten()
@@ -202,7 +202,7 @@ def prepare_scores(step: H2OStep, scores: torch.Tensor, records: torch.Tensor | 
     """What the step's accumulation must find in place: the scores of prefix-cache hit copies
     (their record's). Before the fused attention, or inside ``update_scores_and_compact``."""
     if step.prefix is not None:
-        prefix_cache.init_hit_scores(step.prefix, scores, records)
+        prefix_records.init_hit_scores(step.prefix, scores, records)
 
 
 def zero_new_slots(step: H2OStep, scores: torch.Tensor) -> None:
@@ -243,8 +243,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     if prefix is not None:
         for phase, snap in zip(prefix.phases, prefix.snapshots):
             ops.accumulate(phase, query, views, scores, scale, softcap, sink_logits)
-            prefix_cache.snapshot(snap, scores, records)
-        prefix_cache.relocate(prefix, views, scores)
+            prefix_records.snapshot(snap, scores, records)
+        prefix_records.relocate(prefix, views, scores)
     if not step.due:
         return None
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)

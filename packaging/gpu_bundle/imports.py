@@ -19,7 +19,7 @@ MODULES = (
     "vllm.v1.sample.sampler", "vllm.model_executor.models.llama",
     "vllm.model_executor.model_loader.dummy_loader", "vllm.benchmarks.throughput",
     "vllm.entrypoints.cli.benchmark.main", "vllm.entrypoints.cli.serve",
-    "h2o_vllm.plugin", "h2o_vllm.frontend.cli", "h2o_vllm.worker.cuda", "h2o_vllm.vllm_hooks.introspect",
+    "h2o_vllm.plugin", "h2o_vllm.frontend.cli", "h2o_vllm.worker.cuda", "h2o_vllm.vllm_shims.introspect",
 )
 
 

@@ -45,7 +45,7 @@ def run(a: argparse.Namespace) -> dict:
     if a.bundle_settings:
         from gpu_bundle import settings
         kwargs = settings.apply(kwargs)
-    from h2o_vllm.vllm_hooks import introspect
+    from h2o_vllm.vllm_shims import introspect
 
     llm = LLM(a.model, **kwargs)
     engine = llm.llm_engine

@@ -66,7 +66,7 @@ def start_in_fresh_process(fn, *args, env: dict[str, str] | None = None):
 
 
 def stock_admission(managers, whole_groups, base, *args):
-    """In place of ``scheduler.events.admission_watermark``: vLLM's watermark alone, no room
+    """In place of ``scheduler.scheduling.admission_watermark``: vLLM's watermark alone, no room
     kept for running sequences' growth, so that a small pool preempts as stock vLLM's does."""
     return base
 

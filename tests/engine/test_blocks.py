@@ -179,7 +179,7 @@ def test_admission_with_a_drafter_keeps_room_for_its_whole_cache(drafter_llm, mo
     drafter's whole one included (``H2OManager.whole_group_headroom``), draft slots included:
     nothing is preempted. With the H2O groups' claims alone it preempts (6 times here)."""
     from h2o_vllm.scheduler.manager import H2OManager
-    from h2o_vllm.vllm_hooks.introspect import count_preemptions
+    from h2o_vllm.vllm_shims.introspect import count_preemptions
     if not whole_group_claimed:
         monkeypatch.setattr(H2OManager, "whole_group_headroom", lambda self, *args: 0)
     scheduler = scheduler_of(drafter_llm)

@@ -370,7 +370,7 @@ def test_cuda_kv_transfer_pair_matches_the_oracle(tiny_llama_dir, hf_model, tmp_
     from h2o_vllm.oracle import FP8_E4M3, StoredKV
     kwargs = dict(TRANSFER_CASES[engine])
     if kwargs.pop("nixl", False):
-        from h2o_vllm.frontend.kv_transfer_config import nixl_missing
+        from h2o_vllm.kv_transfer.transfer_config import nixl_missing
         if nixl_missing() is not None:
             pytest.skip(f"nixl does not import here ({nixl_missing()}): pip install 'h2o-vllm[nixl]'")
         outputs, loaded = _serve(nixl_transfer_pair, tiny_llama_dir, kwargs)

@@ -48,7 +48,7 @@ def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", a
 
 def _whole_groups(llm) -> int:
     """KV-cache groups H2O leaves whole: on these full-attention targets, a drafter's own."""
-    from h2o_vllm.scheduler.spec import is_h2o_spec
+    from h2o_vllm.spec import is_h2o_spec
     return sum(not is_h2o_spec(g.kv_cache_spec) for g in scheduler_of(llm).kv_cache_config.kv_cache_groups)
 
 

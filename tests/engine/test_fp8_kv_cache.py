@@ -17,7 +17,7 @@ from budgets import BUDGETS, LARGER_THAN_EVERY_SEQUENCE, MODES, extra_args, orac
 from engines import (drive_checked, generate_ids, greedy, model_runner_of, random_prompts, scheduler_of,
                      vllm_engine)
 
-from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
+from h2o_vllm.vllm_shims.cpu_attention import reads_fp8
 
 if not reads_fp8():
     pytest.skip("vLLM's CPU attention reads an fp8 cache only on x86 with AVX-512 or AMX",

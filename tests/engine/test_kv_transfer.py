@@ -63,7 +63,7 @@ def _budget(case: str, prompt_len: int):
 
 
 def _key(case: str, prompt) -> str:
-    from h2o_vllm.kv_store import state_key
+    from h2o_vllm.kv_transfer.store import state_key
     return state_key(prompt, _budget(case, len(prompt)), BLOCK)
 
 
@@ -234,8 +234,8 @@ def test_preempted_consumer_requests_recompute_and_drain(consumer, consumed, pro
     (60 tokens, up to 5 blocks each) with long outputs overrun the 64-block pool: vLLM
     preempts, the preempted ones compute their prompts themselves (H2O's recompute rule),
     every request completes and the pool drains."""
-    from h2o_vllm.scheduler import events
-    from h2o_vllm.vllm_hooks.introspect import count_preemptions
+    from h2o_vllm.scheduler import scheduling
+    from h2o_vllm.vllm_shims.introspect import count_preemptions
     monkeypatch.setattr(events, "admission_watermark", stock_admission)
     firsts, _ = produced
     case, i = "ratio-0.1+0.1-block", len(PROMPTS) - 1

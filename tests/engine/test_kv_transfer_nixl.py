@@ -19,7 +19,7 @@ import torch
 
 from budgets import BUDGETS, extra_args, oracle
 from engines import drive_checked, greedy, random_prompts, scheduler_of, vllm_engine
-from h2o_vllm.frontend.kv_transfer_config import nixl_missing
+from h2o_vllm.kv_transfer.transfer_config import nixl_missing
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None,
                                 reason=f"nixl does not import here ({nixl_missing()}): pip install 'h2o-vllm[nixl]'")

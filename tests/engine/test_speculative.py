@@ -48,7 +48,7 @@ def prompts(smollm2_dir):
     """Passages of the GPL-3 repeated once and a half: the model copies, n-gram guesses. The
     second is cut to one token past a block (161 = 5 x 32 + 1): when it hits the prefix cache,
     one token is left to compute, and vLLM pads that row with dummy drafts (the step compacts:
-    ``scheduler.events.drop_padding`` takes them off)."""
+    ``scheduler.scheduling.drop_padding`` takes them off)."""
     first, second, third = repeated_passages(smollm2_dir, ((60, 2), (100, 2), (40, 4)))
     assert len(second) > 5 * BLOCK + 1
     return [first, second[:5 * BLOCK + 1], third]
@@ -324,7 +324,7 @@ def test_a_model_drafter_decoding_prompts_read_over_nixl_drafts_as_over_its_own_
     whatever the drafter's cache holds, so acceptance is what shows its KV came over: a
     decoder that loads accepts exactly the drafts of one that computes the prompt itself (21;
     with the drafter's blocks not loaded, 13). vLLM counts the dummy drafts it pads
-    a loaded request's first step with (``scheduler.events.drop_padding``) as drafted, so the
+    a loaded request's first step with (``scheduler.scheduling.drop_padding``) as drafted, so the
     loading run drafts up to ``DRAFTS`` more per request, all rejected."""
     from h2o_devtools.models import drafters
     target, head = drafters.build_mirrored_eagle3_pair(tmp_path / "target", tmp_path / "head", dead_layers=2)
@@ -415,8 +415,8 @@ def _preempted_run(model_dir, speculative_config, engine, size="long"):
     the pool overflows and vLLM preempts."""
     lengths, max_tokens, budget, blocks, max_model_len = PREEMPTING[size]
     with _tiny_ngram(model_dir, speculative_config, blocks, max_model_len, **engine) as llm:
-        from h2o_vllm.scheduler import events  # once the plugin has loaded
-        events.admission_watermark = stock_admission
+        from h2o_vllm.scheduler import scheduling  # once the plugin has loaded
+        scheduling.admission_watermark = stock_admission
         scheduler = scheduler_of(llm)
         free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         # Each preemption, with the output placeholders its request held at the step before

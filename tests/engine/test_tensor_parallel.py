@@ -95,7 +95,7 @@ def test_tp2_kv_transfer_pair_saves_a_file_per_rank_and_matches_the_oracle(tiny_
                                                                            tmp_path):
     """A TP=2 producer and a TP=2 consumer (docs/kv-transfer.md): each rank saves and loads its
     own KV head's kept state, and the pair equals the oracle."""
-    from h2o_vllm.kv_store import KVStore, state_key
+    from h2o_vllm.kv_transfer.store import KVStore, state_key
     from h2o_vllm.config import H2OConfig
     budget = BUDGETS[1]
     kv = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
@@ -123,7 +123,7 @@ def test_tp2_nixl_pair_reads_each_ranks_share_and_matches_the_oracle(tiny_llama_
     """A TP=2 producer and a TP=2 consumer on vLLM's NixlConnector settings, both up at once:
     each consumer rank reads its KV head's kept state from the producer rank of its index
     (two peers in the params, one packed run each), and the pair equals the oracle."""
-    from h2o_vllm.frontend.kv_transfer_config import nixl_missing
+    from h2o_vllm.kv_transfer.transfer_config import nixl_missing
     if nixl_missing() is not None:
         pytest.skip(f"nixl does not import here ({nixl_missing()}): pip install 'h2o-vllm[nixl]'")
     from vllm import SamplingParams

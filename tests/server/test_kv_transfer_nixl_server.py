@@ -10,7 +10,7 @@ import pytest
 from harness import Server
 from test_kv_transfer_server import FLAGS, check_proxy_protocol
 
-from h2o_vllm.frontend.kv_transfer_config import nixl_missing
+from h2o_vllm.kv_transfer.transfer_config import nixl_missing
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=f"nixl does not import here ({nixl_missing()})")
 

@@ -17,8 +17,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES
-from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata, use_readable_isa
-from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
+from h2o_vllm.vllm_shims.cpu_attention import decode_rows_metadata, use_readable_isa
+from h2o_vllm.worker.attention_backend import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
 from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingBook, PendingQueries
 from h2o_vllm.worker.cpu.ops import CPUOps
 from h2o_vllm.worker.step import H2OStep

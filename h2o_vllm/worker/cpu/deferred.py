@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h2o_vllm.config import MAX_PENDING
 from h2o_vllm.worker.cpu.scores import DecodeIndex, accumulate_row_queries, decode_index
 from h2o_vllm.worker.step import H2OStep
 
-#: Queries a row keeps waiting at most: 16 x the query group makes the tile products
-#: efficient; each costs one query vector per layer of memory.
-MAX_PENDING = 16
 
 
 @dataclass

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from h2o_vllm.kernels import twins
+from h2o_vllm.kernels import torch_ops
 from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingQueries
 from h2o_vllm.worker.cpu.layout import CacheViews, cache_views
 from h2o_vllm.worker.cpu.prefill import prefill_attention
@@ -94,4 +94,4 @@ class CPUOps(StoredKVReads):
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:
-        twins.compact_rows(views.keys, views.values, scores, block_table, rows, keep)
+        torch_ops.compact_rows(views.keys, views.values, scores, block_table, rows, keep)

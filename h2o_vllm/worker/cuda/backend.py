@@ -18,7 +18,7 @@ from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, Trit
                                                     TritonAttentionMetadataBuilder)
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
-from h2o_vllm.worker.core import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
+from h2o_vllm.worker.attention_backend import H2OBuilderMixin, H2OImplMixin, announce_backend, check_fusable
 from h2o_vllm.worker.cuda.drafts import DraftBook, DraftStep, HeldQueries
 from h2o_vllm.worker.cuda.ops import TritonOps
 from h2o_vllm.worker.step import H2OStep

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o_vllm import kernels  # launchers load lazily, with Triton (kernels.__init__)
 from h2o_vllm.worker.step import H2OStep
 
 
@@ -122,13 +123,12 @@ class HeldQueries:
               sink_logits: torch.Tensor | None = None, k_scale: float = 1.0) -> None:
         """Score the held queries that survived, in order; then hold this step's (``k_scale``:
         an fp8 cache's)."""
-        from h2o_vllm.kernels import accumulate_decode_scores
         score = decision.score
         if score is not None:
             table = step.block_table[score.rows]
             ones = None if score.decay is None else torch.ones_like(score.decay)
             for t in range(score.kv_lens.shape[0]):  # one pass per query: s <- decay * s + p
-                accumulate_decode_scores(self.buffer[score.slots, t], keys, table, score.kv_lens[t],
+                kernels.accumulate_decode_scores(self.buffer[score.slots, t], keys, table, score.kv_lens[t],
                                          scores, scale, query_weight=ones, score_scale=score.decay,
                                          softcap=softcap, sinks=sink_logits, k_scale=k_scale)
         if decision.store_tokens is not None:

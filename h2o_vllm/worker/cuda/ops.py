@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from h2o_vllm import kernels  # launchers load lazily, with Triton (kernels.__init__)
 from h2o_vllm.worker.kv_dtype import StoredKVReads
 from h2o_vllm.worker.step import H2OStep
 
@@ -54,8 +55,7 @@ class TritonOps(StoredKVReads):
             cache[blocks, offsets] = (x.float() / scale).clamp(-largest, largest).to(self.fp8_dtype)
 
     def step_index(self, step: H2OStep, block_size: int) -> FusedIndex:
-        from h2o_vllm.kernels.attention import decode_logit_offsets  # torch only
-        offsets, num_keys = decode_logit_offsets(step.plan.query_lens, step.plan.kv_seq_lens)
+        offsets, num_keys = kernels.decode_logit_offsets(step.plan.query_lens, step.plan.kv_seq_lens)
         return FusedIndex(offsets.to(step.block_table.device, non_blocking=True), num_keys)
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
@@ -69,7 +69,6 @@ class TritonOps(StoredKVReads):
 
         query, out: [>= num_tokens, num_q_heads, head_size]; query_start_loc: the batch's
         (vLLM's metadata, device int32, [>= num_rows + 1])."""
-        from h2o_vllm import kernels
         index = step.device_index
         if index is None:  # a step made without kv_space_metadata (tests, benchmarks)
             index = self.step_index(step, views.keys.shape[1])
@@ -97,7 +96,6 @@ class TritonOps(StoredKVReads):
                    scores: torch.Tensor, scale: float, softcap: float = 0.0,
                    sink_logits: torch.Tensor | None = None) -> None:
         """The unfused path (after vLLM's attention): the tested reference of attend."""
-        from h2o_vllm import kernels
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
         if step.decode_rows is not None:
             tokens, rows = step.decode_tokens, step.decode_rows
@@ -117,7 +115,6 @@ class TritonOps(StoredKVReads):
 
     def compact(self, views: TritonCacheViews, scores: torch.Tensor, block_table: torch.Tensor,
                 rows: torch.Tensor, keep: torch.Tensor) -> None:
-        from h2o_vllm import kernels
         kernels.compact_rows(views.keys, views.values, scores, block_table, rows, keep)
 
 

@@ -98,15 +98,15 @@ def test_connectors_that_move_blocks_by_position_are_refused_naming_h2os(name):
 
 
 def test_nixl_connector_settings_run_h2os_nixl_connector_or_name_the_install(monkeypatch):
-    from h2o_vllm.frontend import kv_transfer_config
+    from h2o_vllm.kv_transfer import transfer_config
     args = _args(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"})
-    monkeypatch.setattr(kv_transfer_config, "nixl_missing", lambda: "ImportError: No module named 'nixl'")
+    monkeypatch.setattr(transfer_config, "nixl_missing", lambda: "ImportError: No module named 'nixl'")
     message = _refusal(conflicts.check_engine_args, args, H2O)
     assert "NixlConnector" in message and "pip install 'h2o-vllm[nixl]'" in message and "No module" in message
     assert "turn H2O KV eviction off" in message
-    monkeypatch.setattr(kv_transfer_config, "nixl_missing", lambda: None)
+    monkeypatch.setattr(transfer_config, "nixl_missing", lambda: None)
     conflicts.check_engine_args(args, H2O)
-    assert kv_transfer_config.settle(args) == "H2ONixlConnector"
+    assert transfer_config.settle(args) == "H2ONixlConnector"
     assert args.kv_transfer_config["kv_connector"] == "H2ONixlConnector"
 
 
@@ -114,23 +114,23 @@ def test_nixl_connector_settings_run_h2os_nixl_connector_or_name_the_install(mon
 def test_example_connector_settings_run_h2os_connector(as_dict):
     from vllm.config import KVTransferConfig
 
-    from h2o_vllm.frontend import kv_transfer_config
+    from h2o_vllm.kv_transfer import transfer_config
     fields = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
               "kv_connector_extra_config": {"shared_storage_path": "/somewhere"}}
     args = _args(kv_transfer_config=dict(fields) if as_dict else KVTransferConfig(**fields))
     conflicts.check_engine_args(args, H2O)
-    assert kv_transfer_config.settle(args)
+    assert transfer_config.settle(args)
     settled = args.kv_transfer_config
     name = settled["kv_connector"] if as_dict else settled.kv_connector
     assert name == "H2OStorageConnector"
-    assert not kv_transfer_config.settle(args)  # settled once; named directly it passes as it is
+    assert not transfer_config.settle(args)  # settled once; named directly it passes as it is
     conflicts.check_engine_args(args, H2O)
 
 
 @pytest.mark.parametrize("method", ["ngram", "ngram_gpu", "draft_model", "eagle", "eagle3", "mtp"])
 def test_a_connector_runs_with_every_speculator(method):
     """n-gram lookup has no KV layers of its own; a drafter's own layers travel whole beside
-    the H2O state (``vllm_hooks.connector``; too many H2O groups beside them are refused when
+    the H2O state (``kv_transfer.connector``; too many H2O groups beside them are refused when
     the engine starts: tests/unit/vllm_hooks/test_connector_groups.py)."""
     kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
     spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_max": 4}

@@ -1,5 +1,5 @@
 """The fused attention (h2o_vllm.kernels.attention.h2o_attention): its output against vLLM's
-``unified_attention``, its scores against the unfused score kernels' torch twins.
+``unified_attention``, its scores against the unfused score kernels' torch torch_ops.
 
 Interpreted on the CPU (TRITON_INTERPRET=1, see kernel_cases) in fp32 and fp16; bf16 is
 pending a GPU run (export TRITON_INTERPRET=0 there: the interpreter's bf16 arithmetic is wrong
@@ -13,7 +13,7 @@ from kernel_cases import (DEVICE, INTERPRETED, NUM_KV_HEADS, int32, make_cache, 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from h2o_vllm.kernels import attention, prefill_scores, twins  # noqa: E402
+from h2o_vllm.kernels import attention, prefill_scores, torch_ops  # noqa: E402
 
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("Triton kernels were compiled (TRITON_INTERPRET unset when first imported) and "
@@ -100,7 +100,7 @@ def test_fused_attention_is_vllm_attention_plus_unfused_scores(head_size, group,
     for row, (q_len, kv_len) in enumerate(ROWS):
         pos = torch.arange(kv_len - q_len, kv_len)
         want[block_table[row, pos // block_size].long(), :, pos % block_size] = 0.0
-    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want,
+    torch_ops.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want,
                                     scale, **weights)
     # The fused path reads the stale scores of the new slots as 0 (they hold random values).
     got = scores.clone()
@@ -133,9 +133,9 @@ def test_shaped_fused_attention_is_vllm_attention_plus_the_models_scores(cap, wi
         pos = torch.arange(kv_len - q_len, kv_len)
         want[block_table[row, pos // block_size].long(), :, pos % block_size] = 0.0
     plain = want.clone()
-    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want, scale,
+    torch_ops.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), want, scale,
                                     softcap=cap, sinks=sinks)
-    twins.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), plain, scale)
+    torch_ops.accumulate_prefill_scores(query, key_cache, block_table, qsl, int32(kv_lens), plain, scale)
     assert not torch.allclose(want, plain, **SCORE_TOL[dtype])
     got = scores.clone()
     out = fused_scores(query, key_cache, value_cache, block_table, qsl, q_lens, kv_lens, got,

@@ -12,7 +12,7 @@ from kernel_cases import (DEVICE, INTERPRETED, NUM_KV_HEADS, SHAPE_IDS, SHAPES, 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from h2o_vllm.kernels import twins  # noqa: E402
+from h2o_vllm.kernels import torch_ops  # noqa: E402
 from h2o_vllm.kernels import compact as compact_kernels  # noqa: E402
 from h2o_vllm.kernels import decode_scores, prefill_scores  # noqa: E402
 
@@ -42,7 +42,7 @@ def test_accumulate_decode_scores_matches_torch(head_size, group, block_size, dt
     query = make_query(len(kv_lens), NUM_KV_HEADS * group, head_size, dtype)
     weights = weights_of(weighted, [1] * len(kv_lens))
     expected = scores.clone()
-    twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), expected,
+    torch_ops.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), expected,
                                    head_size ** -0.5, **weights)
     assert not torch.equal(expected, scores)
     decode_scores.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
@@ -66,10 +66,10 @@ def test_accumulate_prefill_scores_matches_torch(head_size, group, block_size, d
     scale = head_size ** -0.5
     # Small tiles so every loop runs several times and ends ragged.
     lse = prefill_scores.prefill_lse(*args, scale, block_m=16, block_n=16)
-    torch.testing.assert_close(lse, twins.prefill_lse(*args, scale), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lse, torch_ops.prefill_lse(*args, scale), rtol=1e-5, atol=1e-4)
     weights = weights_of(weighted, q_lens)
     expected = scores.clone()
-    twins.accumulate_prefill_scores(*args, expected, scale, **weights)
+    torch_ops.accumulate_prefill_scores(*args, expected, scale, **weights)
     prefill_scores.accumulate_prefill_scores(*args, scores, scale, block_m=16, block_n=16,
                                              **weights)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
@@ -83,10 +83,10 @@ def _shaped_case(decode: bool, dtype):
     query = make_query(sum(q_lens), NUM_KV_HEADS * 3, 64, dtype)
     if decode:
         return (q_lens, (query, key_cache, block_table, int32(kv_lens)), scores,
-                decode_scores.accumulate_decode_scores, twins.accumulate_decode_scores)
+                decode_scores.accumulate_decode_scores, torch_ops.accumulate_decode_scores)
     starts = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
     return (q_lens, (query, key_cache, block_table, starts, int32(kv_lens)), scores,
-            prefill_scores.accumulate_prefill_scores, twins.accumulate_prefill_scores)
+            prefill_scores.accumulate_prefill_scores, torch_ops.accumulate_prefill_scores)
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
@@ -97,7 +97,7 @@ def test_soft_capped_scores_match_torch(decode):
     q_lens, args, scores, kernel, twin = _shaped_case(decode, dtype)
     if not decode:
         torch.testing.assert_close(prefill_scores.prefill_lse(*args, scale, softcap=cap, block_m=16, block_n=16),
-                                   twins.prefill_lse(*args, scale, softcap=cap), rtol=1e-5, atol=1e-4)
+                                   torch_ops.prefill_lse(*args, scale, softcap=cap), rtol=1e-5, atol=1e-4)
     expected, uncapped = scores.clone(), scores.clone()
     twin(*args, expected, scale, softcap=cap)
     twin(*args, uncapped, scale)
@@ -117,7 +117,7 @@ def test_scores_with_sink_logits_match_torch(decode, weighted):
     sinks, weights = make_sinks(NUM_KV_HEADS * 3).bfloat16(), weights_of(weighted, q_lens)
     if not decode:
         torch.testing.assert_close(prefill_scores.prefill_lse(*args, scale, sinks=sinks, block_m=16, block_n=16),
-                                   twins.prefill_lse(*args, scale, sinks=sinks), rtol=1e-5, atol=1e-4)
+                                   torch_ops.prefill_lse(*args, scale, sinks=sinks), rtol=1e-5, atol=1e-4)
     expected, sinkless = scores.clone(), scores.clone()
     twin(*args, expected, scale, sinks=sinks, **weights)
     twin(*args, sinkless, scale, **weights)
@@ -140,7 +140,7 @@ def test_prefill_scores_start_at_each_rows_first_scored_query():
                    score_scale=torch.rand(len(q_lens), device=DEVICE) + 0.5,
                    first_scored=int32([2, 20, 37, 1]))
     expected = scores.clone()
-    twins.accumulate_prefill_scores(*args, expected, 0.125, **weights)
+    torch_ops.accumulate_prefill_scores(*args, expected, 0.125, **weights)
     prefill_scores.accumulate_prefill_scores(*args, scores, 0.125, block_m=16, block_n=16, **weights)
     torch.testing.assert_close(scores, expected, **TOL[dtype])
     all_queries = scores.clone()
@@ -212,7 +212,7 @@ def test_compact_rows_matches_torch(head_size, group, block_size, dtype, layout)
     keep_idx = torch.stack([keep_patterns(kv_lens[r], target, gen) for r in rows]).to(DEVICE)
     before = [dense_row_keys(key_cache, block_table, r, kv_lens[r]) for r in rows]
     expected = [t.clone() for t in (key_cache, value_cache, scores)]
-    twins.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
+    torch_ops.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
     # Small tiles and column chunks: several of each, and ragged in the head's columns.
     compact_kernels.compact_rows(key_cache, value_cache, scores, block_table,
                                  int32(rows), keep_idx, block_t=16, d_chunk_max=16)
@@ -241,11 +241,11 @@ def test_reference_scores_match_dense_softmax(decode, weighted, with_sinks):
     sinks = make_sinks(NUM_KV_HEADS * group) if with_sinks else None
     before = scores.clone()
     if decode:
-        twins.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
+        torch_ops.accumulate_decode_scores(query, key_cache, block_table, int32(kv_lens), scores,
                                        0.3, sinks=sinks, **weights)
     else:
         query_start_loc = int32([0] + torch.tensor(q_lens).cumsum(0).tolist())
-        twins.accumulate_prefill_scores(query, key_cache, block_table, query_start_loc,
+        torch_ops.accumulate_prefill_scores(query, key_cache, block_table, query_start_loc,
                                         int32(kv_lens), scores, 0.3, sinks=sinks, **weights)
     keys = [dense_row_keys(key_cache, block_table, r, n) for r, n in enumerate(kv_lens)]
     weight = weights["query_weight"].cpu() if weighted else torch.ones(sum(q_lens))
@@ -279,7 +279,7 @@ def test_reference_compact_rows_matches_dense_gather():
     dense = [dense_row_keys(c, block_table, 0, 11) for c in (key_cache, value_cache)]
     dense_s = torch.stack([scores[int(block_table[0, t // block_size]), :, t % block_size]
                            for t in range(11)])
-    twins.compact_rows(key_cache, value_cache, scores, block_table,
+    torch_ops.compact_rows(key_cache, value_cache, scores, block_table,
                            torch.tensor([0], device=DEVICE), keep_idx)
     for h in range(NUM_KV_HEADS):
         idx = keep_idx[0, h].cpu()
@@ -333,7 +333,7 @@ def test_compact_rows_moves_an_fp8_cache_byte_for_byte():
     rows, target = [0, 2, 3], 40
     keep_idx = torch.stack([keep_patterns(kv_lens[r], target, gen) for r in rows]).to(DEVICE)
     expected = [key_cache.view(torch.uint8).clone(), value_cache.view(torch.uint8).clone(), scores.clone()]
-    twins.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
+    torch_ops.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
     compact_kernels.compact_rows(key_cache, value_cache, scores, block_table,
                                  int32(rows), keep_idx, block_t=16, d_chunk_max=16)
     assert torch.equal(key_cache.view(torch.uint8), expected[0])

@@ -22,7 +22,7 @@ from vllm.v1.request import Request
 from h2o_vllm.config import Budget, H2OConfig
 from h2o_vllm.policy import kv_len_after
 from h2o_vllm.scheduler.manager import H2OManager
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
+from h2o_vllm.spec import H2OAttentionSpec
 
 BLOCK = 16
 ENGINE = H2OConfig(heavy_tokens=8, recent_tokens=8)  # budget 16, interval one block
@@ -167,15 +167,15 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
     """A 400-token prompt in chunks of 32: each chunk end compacts (16 + 32 >= 32), so the row
     never holds more than 16 + 32 tokens, and the whole-sequence check vLLM makes before
     admitting (``apply_admission_cap``) asks for that peak, not for 25 blocks."""
-    from h2o_vllm.scheduler import events as step
+    from h2o_vllm.scheduler import scheduling
     m = _manager(CHUNKED)
     request = _request("r", 400, max_tokens=8)
-    step.add_request([m], request)
+    scheduling.add_request([m], request)
     assert m.get_num_blocks_to_allocate("r", 400, [], 0, 0, 400, apply_admission_cap=True) == 3
     assert m.get_num_blocks_to_allocate("r", 400, [], 0, 0, 400) == 25  # what it asks uncapped
     during, computed = [], 0
     while computed < 400:
-        num_new = step.limit_step([m], request, computed, min(40, 400 - computed))  # vLLM offers 40
+        num_new = scheduling.limit_step([m], request, computed, min(40, 400 - computed))  # vLLM offers 40
         assert num_new == min(32 - computed % 32, 400 - computed)     # never past a chunk's end
         _grow(m, "r", computed + num_new)
         during.append(len(m.req_to_blocks["r"]))                      # while the step runs
@@ -183,6 +183,6 @@ def test_a_chunked_prompt_is_held_a_chunk_at_a_time_and_admitted_on_its_peak():
         m.cut_scheduled("r", computed, 400)
         assert len(m.req_to_blocks["r"]) == cdiv(kv_len_after(computed, 400, CHUNKED.budget(400, BLOCK)), BLOCK)
     assert max(during) == 3 and m.num_freed_blocks >= 2 * (400 // 32 - 1)
-    assert step.limit_step([m], request, 400, 1) == 1  # decoding: no limit
+    assert scheduling.limit_step([m], request, 400, 1) == 1  # decoding: no limit
     m.free("r")
     assert m.block_pool.get_num_free_blocks() == m.block_pool.num_gpu_blocks - 1

@@ -25,10 +25,10 @@ from vllm.v1.request import Request
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.scheduler import events as sched_step
+from h2o_vllm.scheduler import scheduling
 from h2o_vllm.scheduler.manager import H2OManager
 from h2o_vllm.scheduler.prefix_hits import commit_records, cut_hit, prefix_orders, record_key
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
+from h2o_vllm.spec import H2OAttentionSpec
 
 BLOCK = 4
 ENGINE = H2OConfig(heavy_tokens=4, recent_tokens=4)  # budget 8, interval one block (4)
@@ -63,7 +63,7 @@ class Engine:
         self.hits: dict[str, list] = {}  # rid -> the (cut) hit's cached blocks
 
     def add(self, request):
-        sched_step.add_request([self.m], request)
+        scheduling.add_request([self.m], request)
         self.requests[request.request_id] = request
         self.waiting.add(request.request_id)
         return request
@@ -108,7 +108,7 @@ class Engine:
         output = SimpleNamespace(num_scheduled_tokens=dict(tokens), scheduled_new_reqs=new,
                                  scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
         orders = prefix_orders(self.m, output, self.requests)
-        sched_step.cut_scheduled([self.m], output, self.requests)
+        scheduling.cut_scheduled([self.m], output, self.requests)
         return orders
 
     def finish_step(self, sampled: dict[str, int] | None = None):
@@ -139,7 +139,7 @@ class Engine:
     def free(self, rid):
         """A request that finishes (vLLM frees its blocks in reverse order)."""
         self.pool.free_blocks(reversed(self.m.pop_blocks_for_free(rid)))
-        sched_step.finish_request([self.m], rid)
+        scheduling.finish_request([self.m], rid)
         self.requests.pop(rid)
 
     def key(self, request, num_blocks, decay=1.0):

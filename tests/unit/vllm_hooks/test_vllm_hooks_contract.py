@@ -437,7 +437,7 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
 
 
 def test_vllm_saves_after_the_draft_pass_and_keeps_drafter_groups_beside_an_hma_connector():
-    """A drafter's own layers travel whole (``vllm_hooks.connector``): ``wait_for_save`` must
+    """A drafter's own layers travel whole (``kv_transfer.connector``): ``wait_for_save`` must
     run after the drafter has written the prompt (V1 defers the connector's finalize while
     speculating, to after the proposer; V2 saves in ``post_forward``, after the speculator
     has proposed); a connector declaring ``SupportsHMA`` keeps the hybrid KV-cache manager, so
@@ -457,7 +457,7 @@ def test_vllm_saves_after_the_draft_pass_and_keeps_drafter_groups_beside_an_hma_
     assert "self.connector.request_finished_all_groups(" in inspect.getsource(importlib.import_module(_SCHEDULER.split(":")[0]))
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
-    from h2o_vllm.vllm_hooks.connector import H2OConnector
+    from h2o_vllm.kv_transfer.connector import H2OConnector
     assert issubclass(H2OConnector, SupportsHMA)
     utils = inspect.getsource(importlib.import_module("vllm.v1.kv_cache_interface").create_kv_cache_views)
     assert "[B, H, N, C]" in utils
@@ -602,7 +602,7 @@ def test_scheduler_output_names_the_requests_whose_cache_is_void():
 
 def test_speculative_steps_are_read_from_vllms_step_output_and_requests():
     """``runner.scheduled_drafts`` reads each request's drafts from the step output;
-    ``scheduler.events.limit_step`` tells drafts from known tokens by the request's counts."""
+    ``scheduler.scheduling.limit_step`` tells drafts from known tokens by the request's counts."""
     from vllm import SamplingParams
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -794,7 +794,7 @@ def test_registry_maps_h2o_spec_and_keeps_builtins(registered):
 
     from h2o_vllm.config import H2OConfig
     from h2o_vllm.scheduler.manager import H2OManager
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    from h2o_vllm.spec import H2OAttentionSpec
     spec = H2OAttentionSpec.from_full(_full(), H2OConfig())
     assert KVCacheSpecRegistry.get_manager_class(spec) is H2OManager
     assert KVCacheSpecRegistry.get_manager_class(_full()) is FullAttentionManager
@@ -806,7 +806,7 @@ def test_registry_maps_h2o_spec_and_keeps_builtins(registered):
 
 def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
     from h2o_vllm.config import H2OConfig
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
+    from h2o_vllm.spec import H2OAttentionSpec
     config = H2OConfig(heavy_ratio=0.3, recent_ratio=0.2)
     assert config != H2OConfig()
     spec = H2OAttentionSpec.from_full(_full(), config)
@@ -819,8 +819,8 @@ def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
 def test_pure_modules_import_no_vllm():
     # The pure modules, and the oracle: the independent side of every engine test.
     code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.budgets, h2o_vllm.oracle, "
-            "h2o_vllm.kv_store, h2o_vllm.transfer_orders, h2o_vllm.worker.transfer, "
-            "h2o_vllm.frontend.kv_transfer_config; "
+            "h2o_vllm.kv_transfer.store, h2o_vllm.kv_transfer.orders, h2o_vllm.kv_transfer.save_load, "
+            "h2o_vllm.kv_transfer.transfer_config; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -935,7 +935,7 @@ def test_triton_builder_reads_the_softmax_segment_count_from_its_module():
 
 
 def test_the_cpu_builder_reads_only_what_decode_rows_metadata_cuts_down():
-    """``vllm_hooks.cpu_attention.decode_rows_metadata`` indexes the per-row and per-token
+    """``vllm_shims.cpu_attention.decode_rows_metadata`` indexes the per-row and per-token
     fields and drops the batch-wide ones; vLLM's CPU builder must read no other field of
     ``CommonAttentionMetadata`` (one it did would describe the whole batch, not the decode rows)."""
     source = inspect.getsource(_resolve(f"{_CPU_ATTN}:CPUAttentionMetadataBuilder.build")[1])
@@ -943,7 +943,7 @@ def test_the_cpu_builder_reads_only_what_decode_rows_metadata_cuts_down():
     cut_down = {"query_start_loc", "seq_lens", "num_reqs", "num_actual_tokens", "max_query_len",
                 "max_seq_len", "block_table_tensor", "slot_mapping", "positions"}
     assert read - {"causal"} <= cut_down, f"the CPU builder now reads {sorted(read - cut_down)}"
-    from h2o_vllm.vllm_hooks.cpu_attention import decode_rows_metadata
+    from h2o_vllm.vllm_shims.cpu_attention import decode_rows_metadata
     rebuilt = set(re.findall(r"(\w+)=", inspect.getsource(decode_rows_metadata)))
     assert cut_down <= rebuilt <= _fields("vllm.v1.attention.backend:CommonAttentionMetadata") | {"dtype"}
 
@@ -991,14 +991,14 @@ def test_vllm_ray_executor_copies_the_variables_h2o_lists(monkeypatch):
 
 
 def test_attention_layers_keep_their_fp8_scales_where_the_kv_scales_seam_reads_them():
-    """``vllm_hooks.kv_scales``: the host copies of an attention layer's fp8 scales, set to 1.0
+    """``vllm_shims.kv_scales``: the host copies of an attention layer's fp8 scales, set to 1.0
     when the layer is built (and replaced by calibrated ones at weight loading)."""
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.attention import attention
     from vllm.v1.attention.backend import AttentionLayer
 
-    from h2o_vllm.vllm_hooks.kv_scales import kv_scales
+    from h2o_vllm.vllm_shims.kv_scales import kv_scales
     assert {"_k_scale_float", "_v_scale_float"} <= set(AttentionLayer.__annotations__)
     source = inspect.getsource(attention)
     assert "layer._k_scale_float = 1.0" in source and "layer._v_scale_float = 1.0" in source
@@ -1013,7 +1013,7 @@ def test_vllms_cpu_writer_truncates_fp8_where_h2os_cpu_views_read_it():
     import torch
     from vllm import _custom_ops as ops
 
-    from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
+    from h2o_vllm.vllm_shims.cpu_attention import reads_fp8
     from h2o_vllm.oracle.stored_kv import stored
     from h2o_vllm.worker.cpu.layout import cache_views
     if not reads_fp8():
@@ -1044,7 +1044,7 @@ def test_reads_fp8_is_what_vllms_cpu_isa_choice_decides():
     import torch
     from vllm.v1.attention.backends import cpu_attn
 
-    from h2o_vllm.vllm_hooks.cpu_attention import reads_fp8
+    from h2o_vllm.vllm_shims.cpu_attention import reads_fp8
     try:
         isa = cpu_attn._get_attn_isa(torch.float32, 32, 64, "fp8")
     except NotImplementedError as error:

@@ -8,7 +8,7 @@ them would decay another row's scores, which these tests would see.
 import pytest
 import torch
 
-from h2o_vllm.kernels import twins
+from h2o_vllm.kernels import torch_ops
 from h2o_vllm.worker.cpu import prefill as cpu_prefill
 from h2o_vllm.worker.cpu import scores as cpu_scores
 from h2o_vllm.worker.cpu.layout import cache_views
@@ -51,7 +51,7 @@ def _live(scores, row):
 def test_decode_scores_match_the_twin(weighted, shaping):
     views, scores, query, weights = _setup([1] * 3, weighted)
     expected = scores.clone()
-    twins.accumulate_decode_scores(query, views.keys.contiguous(), TABLE,
+    torch_ops.accumulate_decode_scores(query, views.keys.contiguous(), TABLE,
                                    torch.tensor(KV_LENS, dtype=torch.int32), expected, SCALE,
                                    **weights, **shaping)
     cpu_scores.accumulate_decode_scores(query, views.key_blocks, scores, TABLE,
@@ -92,7 +92,7 @@ def test_prefill_rows_match_the_twin(weighted, with_out, tile, shaping, monkeypa
         weights["query_weight"][:7] = 0.0
     expected = scores.clone()
     starts = torch.tensor([0] + q_lens).cumsum(0)
-    twins.accumulate_prefill_scores(query, views.keys.contiguous(), TABLE,
+    torch_ops.accumulate_prefill_scores(query, views.keys.contiguous(), TABLE,
                                     starts.to(torch.int32), torch.tensor(KV_LENS, dtype=torch.int32),
                                     expected, SCALE, **weights, **shaping)
     out = torch.full_like(query, float("nan"))

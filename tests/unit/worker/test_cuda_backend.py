@@ -12,13 +12,14 @@ def test_custom_backend_registered_on_cuda_only():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from h2o_vllm import plugin
+    from h2o_vllm.vllm_hooks.triton_on_cpu import CUDA_BACKEND
     from h2o_vllm.worker.cuda.backend import H2OTritonAttentionBackend
     saved = dict(registry._ATTN_OVERRIDES)
     try:
         registry._ATTN_OVERRIDES.pop(AttentionBackendEnum.CUSTOM, None)
-        plugin._register_cuda_backend(is_cuda=False)
+        plugin._register_cuda_backend(CUDA_BACKEND, is_cuda=False)
         assert AttentionBackendEnum.CUSTOM not in registry._ATTN_OVERRIDES
-        plugin._register_cuda_backend(is_cuda=True)
+        plugin._register_cuda_backend(CUDA_BACKEND, is_cuda=True)
         backend = AttentionBackendEnum.CUSTOM.get_class()
         assert backend is H2OTritonAttentionBackend
         assert AttentionBackendEnum[backend.get_name()] is AttentionBackendEnum.CUSTOM
@@ -50,7 +51,7 @@ def test_impl_refuses_what_the_fused_attention_does_not_compute():
     import pytest
     from vllm.v1.attention.backend import AttentionType
 
-    from h2o_vllm.worker.core import check_fusable
+    from h2o_vllm.worker.attention_backend import check_fusable
     from h2o_vllm.worker.cuda.backend import H2OTritonImpl
     plain = dict(alibi_slopes=None, sliding_window=(-1, -1), logits_soft_cap=0, sinks=None,
                  kv_cache_dtype="auto", attn_type=AttentionType.DECODER, num_heads=4)

@@ -1,6 +1,6 @@
-"""scheduler.staging.Staging: first-fit reservations, given back when every rank has read
+"""kv_transfer.staging.Staging: first-fit reservations, given back when every rank has read
 them or when their lease runs out; tickets never reused."""
-from h2o_vllm.scheduler.staging import Staging
+from h2o_vllm.kv_transfer.staging import Staging
 
 
 class Clock:

@@ -2,7 +2,7 @@
 before the model loads (called from ``frontend.settings`` and ``frontend.conflicts``).
 
 Pure logic over the config as given (a dict, or vLLM's ``KVTransferConfig``). The connectors
-themselves are ``vllm_hooks.connector.H2OStorageConnector`` and ``H2ONixlConnector``
+themselves are ``kv_transfer.connector.H2OStorageConnector`` and ``H2ONixlConnector``
 (docs/kv-transfer.md).
 """
 from __future__ import annotations

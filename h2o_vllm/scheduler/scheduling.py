@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # manager imports vllm_hooks, whose engine-core hooks import 
 def add_request(managers: Sequence[H2OManager], request, prompt_len: int | None = None) -> None:
     """Resolve the request's budget once (engine config + its ``extra_args`` overrides) for
     its H2O prompt length: vLLM's, or a KV-transfer consumer's shorter one
-    (``scheduler.transfer.TransferScheduler.prompt_len``)."""
+    (``kv_transfer.transfer_scheduler.TransferScheduler.prompt_len``)."""
     params = request.sampling_params
     extra_args = params.extra_args if params is not None else None
     prompt_len = request.num_prompt_tokens if prompt_len is None else prompt_len

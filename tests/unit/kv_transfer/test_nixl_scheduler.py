@@ -1,16 +1,16 @@
-"""scheduler.nixl_transfer.NixlTransferScheduler: the producer reserves staging for requests
+"""kv_transfer.nixl_scheduler.NixlTransferScheduler: the producer reserves staging for requests
 sent for remote decode and names it in their params; the decoder orders a read, waits for
 every rank's, then loads, or computes the prompt when a read failed. A real H2OManager and
 vLLM's real Request."""
 from types import SimpleNamespace
 
-from test_transfer import BLOCK, CONFIG, PROMPT, _core_request, _manager, _request
+from test_transfer_scheduler import BLOCK, CONFIG, PROMPT, _core_request, _manager, _request
 from vllm.v1.request import Request
 
-from h2o_vllm.scheduler import events
-from h2o_vllm.scheduler.nixl_transfer import NixlTransferScheduler, StateShape
-from h2o_vllm.scheduler.staging import Staging
-from h2o_vllm.transfer_orders import NixlPeer, TransferReport
+from h2o_vllm.scheduler import scheduling
+from h2o_vllm.kv_transfer.nixl_scheduler import NixlTransferScheduler, StateShape
+from h2o_vllm.kv_transfer.staging import Staging
+from h2o_vllm.kv_transfer.orders import NixlPeer, TransferReport
 
 SHAPE = StateShape(num_layers=2, kv_heads=2, head_size=64, itemsize=4)
 PEERS = (NixlPeer("p0", "bWV0YWRhdGE=", 4096),)
@@ -28,7 +28,7 @@ def _produce(transfer, manager, rid="p", kv=REMOTE_DECODE):
     """A producer request through its prompt's last step; returns the step's orders."""
     from vllm import SamplingParams
     request = Request(rid, list(PROMPT), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv}), None)
-    events.add_request([manager], request, transfer.prompt_len(request))
+    scheduling.add_request([manager], request, transfer.prompt_len(request))
     manager.allocate_new_blocks(rid, 40, 40)
     return request, transfer.orders(SimpleNamespace(num_scheduled_tokens={rid: 40}, scheduled_spec_decode_tokens={}), {rid: request}, [manager])
 
@@ -72,7 +72,7 @@ def _decoder(transfer, manager, rid="c", peers=PEERS):
     kv["h2o_kv_key"] = transfer._key(_request(rid, PROMPT), 40)
     request = Request.from_engine_core_request(transfer.continue_from_params(_core_request(rid, list(PROMPT), kv)),
                                                None)
-    events.add_request([manager], request, transfer.prompt_len(request))
+    scheduling.add_request([manager], request, transfer.prompt_len(request))
     return request
 
 

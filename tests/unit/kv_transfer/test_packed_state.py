@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from h2o_vllm.packed_state import SEAL, pack, packed_nbytes, unpack
+from h2o_vllm.kv_transfer.packed_state import SEAL, pack, packed_nbytes, unpack
 
 KV_LEN, HEADS, HEAD_SIZE = 5, 2, 4
 NAMES = ("layers.0.attn", "layers.1.attn")

@@ -9,7 +9,7 @@ vLLM has one. The signature is recorded in ``tests/unit/vllm_hooks/test_vllm_hoo
 """
 from __future__ import annotations
 
-from h2o_vllm.vllm_hooks.seam import _require
+from h2o_vllm.vllm_shims.symbols import _require
 
 APPLY_COW = "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._apply_cow"
 

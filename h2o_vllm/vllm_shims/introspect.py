@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from h2o_vllm.vllm_hooks.seam import _require
+from h2o_vllm.vllm_shims.symbols import _require
 
 #: Every vLLM symbol this module looks up ("module:Qual.name").
 SYMBOLS = {

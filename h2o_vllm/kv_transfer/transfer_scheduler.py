@@ -1,6 +1,6 @@
 """TransferScheduler: the scheduler's side of moving a prompt's H2O state between engines.
 
-Runs in the engine-core process, behind H2O's KV connector (``vllm_hooks.connector``); never
+Runs in the engine-core process, behind H2O's KV connector (``kv_transfer.connector``); never
 touches a tensor. The protocol (docs/kv-transfer.md): the producer prefills a prompt of ``L``
 tokens, compacts it by the request's budget and saves the live KV; the consumer is given
 that prompt plus the producer's first token and runs it as the producer's request continued:
@@ -15,7 +15,7 @@ prefix hit first, a preempted request coming back) it computes the prompt itself
 same H2O prompt length: the same tokens, at the cost of the prefill.
 
 Where states live is the medium's: ``TransferScheduler`` is shared storage (``KVStore``);
-``scheduler.nixl_transfer.NixlTransferScheduler`` overrides the five medium hooks
+``kv_transfer.nixl_scheduler.NixlTransferScheduler`` overrides the five medium hooks
 (``_committed``, ``_readiness``, ``_staged``, ``_commit``, ``_forget``) for NIXL.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from vllm.utils.math_utils import cdiv
 
 from h2o_vllm import metrics
 from h2o_vllm.config import H2OConfig, request_config
-from h2o_vllm.kv_store import KVStore, StoredPrompt, state_key
+from h2o_vllm.kv_transfer.store import KVStore, StoredPrompt, state_key
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.transfer_orders import KVMove, TransferOrders
+from h2o_vllm.kv_transfer.orders import KVMove, TransferOrders
 
 logger = logging.getLogger("vllm.h2o_vllm")
 

@@ -1,21 +1,15 @@
-"""The helpers every hook uses: the supported vLLM range, symbol lookup, idempotent wrapping.
-
-A module of its own so that the hook modules import it, never the package ``__init__``
-(which imports them).
-"""
+"""vLLM's symbols by name, guarded by the supported version range: every shim and hook looks
+its target up here, so a vLLM that moved one fails at start-up naming it, not mid-request."""
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33")
-_MARK = "_h2o_vllm_hook"
 logger = logging.getLogger("h2o_vllm")
 
 
@@ -41,23 +35,3 @@ def _require(path: str) -> tuple[Any, Any]:
     except (ImportError, AttributeError) as exc:
         raise RuntimeError(f"h2o-vllm needs {path}, which this vLLM lacks; supported vLLM: "
                            f"{SUPPORTED_VLLM}") from exc
-
-
-def _wrap(path: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """Replace the symbol by ``make_wrapper(original)``, once per process. A classmethod stays
-    one: its wrapper takes ``cls`` first and calls the bound original without it."""
-    owner, original = _require(path)
-    if getattr(original, _MARK, False):
-        return
-    name = path.partition(":")[2].rpartition(".")[2]
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARK, True)
-    if isinstance(inspect.getattr_static(owner, name), classmethod):
-        wrapper = classmethod(wrapper)
-    setattr(owner, name, wrapper)
-
-
-def _h2o_of(obj) -> Any:
-    """The H2OConfig (None when off) of a vLLM object holding ``vllm_config``."""
-    from h2o_vllm.config import h2o_config
-    return h2o_config(obj.vllm_config)

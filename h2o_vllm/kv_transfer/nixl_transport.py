@@ -8,7 +8,7 @@ listener thread of a producer pinned beside vLLM's busy OpenMP threads was found
 decoders waiting for metadata for tens of seconds. A producer rank packs a finished prompt's state into its buffer at the
 offset the scheduler reserved (``packed_state``); a consumer rank reads it with one NIXL
 READ from the producer rank of the same index, checks both seals, and keeps the bytes until
-the request's load writes them into the paged cache (``worker.transfer.load``). The READ
+the request's load writes them into the paged cache (``kv_transfer.save_load.load``). The READ
 carries a notification that tells the producer rank its space was read
 (``TransferReport.read``); the consumer reports each fetch's end the same way
 (``TransferReport.fetched``).
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_vllm.packed_state import SEAL, pack, seal, unpack
-from h2o_vllm.transfer_orders import KVFetch, KVMove, NixlPeer, TransferReport
+from h2o_vllm.kv_transfer.packed_state import SEAL, pack, seal, unpack
+from h2o_vllm.kv_transfer.orders import KVFetch, KVMove, NixlPeer, TransferReport
 
 READ_MARK = b"h2o-read:"
 
@@ -133,7 +133,7 @@ class NixlTransport:
             read.forgotten = True
 
     def take(self, move: KVMove, layout: StateLayout) -> dict[str, torch.Tensor]:
-        """The fetched state that ``move`` loads, as ``worker.transfer.load`` takes it."""
+        """The fetched state that ``move`` loads, as ``kv_transfer.save_load.load`` takes it."""
         buffer, fetch = self.fetched.pop(move.req_id)
         blocks = [(name, (len(move.whole[group]), *shape), dtype) for name, group, shape, dtype in layout.whole]
         state = unpack(buffer, fetch.key, fetch.ticket, layout.names, move.kv_len, layout.kv_heads,

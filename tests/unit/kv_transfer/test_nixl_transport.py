@@ -1,4 +1,4 @@
-"""worker.nixl_transport.NixlTransport: two real NIXL agents (UCX) in this process, a producer
+"""kv_transfer.nixl_transport.NixlTransport: two real NIXL agents (UCX) in this process, a producer
 rank staging a state and a consumer rank reading it; seals, notifications, failures."""
 import base64
 import time
@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from h2o_vllm.frontend.kv_transfer_config import nixl_missing
-from h2o_vllm.packed_state import packed_nbytes
-from h2o_vllm.transfer_orders import KVFetch, KVMove, NixlPeer
+from h2o_vllm.kv_transfer.transfer_config import nixl_missing
+from h2o_vllm.kv_transfer.packed_state import packed_nbytes
+from h2o_vllm.kv_transfer.orders import KVFetch, KVMove, NixlPeer
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=f"nixl does not import here ({nixl_missing()})")
 
@@ -17,7 +17,7 @@ NAMES, KV_LEN, HEADS, HEAD_SIZE = ("a", "b"), 7, 2, 8
 
 @pytest.fixture(scope="module")
 def pair():
-    from h2o_vllm.worker.nixl_transport import NixlTransport
+    from h2o_vllm.kv_transfer.nixl_transport import NixlTransport
     producer, consumer = NixlTransport("unit-p", 1 << 16, rank=0), NixlTransport("unit-c", 1 << 16, rank=0, timeout_s=5)
     yield producer, consumer
     producer.close()
@@ -29,7 +29,7 @@ WHOLE, WHOLE_IDS = ("d", 0, (HEADS, 4, 2 * HEAD_SIZE), torch.float16), ((3, 1),)
 
 
 def _layout():
-    from h2o_vllm.worker.nixl_transport import StateLayout
+    from h2o_vllm.kv_transfer.nixl_transport import StateLayout
     return StateLayout(NAMES, HEADS, HEAD_SIZE, torch.float16, (WHOLE,))
 
 

@@ -1,8 +1,8 @@
-"""h2o_vllm.kv_store: a prompt's state on shared storage (pure)."""
+"""h2o_vllm.kv_transfer.store: a prompt's state on shared storage (pure)."""
 import torch
 
 from h2o_vllm.config import Budget
-from h2o_vllm.kv_store import KVStore, StoredPrompt, state_key
+from h2o_vllm.kv_transfer.store import KVStore, StoredPrompt, state_key
 
 BUDGET = Budget(heavy=8, recent=8, interval=16)
 

@@ -7,7 +7,7 @@ the blocks the scheduler allocated. Both go through the device's ``cache_views``
 transposed K pages, Triton's layout, fp8 bytes alike) and the layer's score buffer, in the
 device-neutral layout ``[kv_len, kv_heads, head_size]`` (scores ``[kv_len, kv_heads]``).
 The medium is the caller's: ``write`` / ``read`` take a move's tensors to or from a file
-(``KVStore``) or NIXL staging (``worker.nixl_transport``), named ``<layer>.<k|v|scores>``.
+(``KVStore``) or NIXL staging (``kv_transfer.nixl_transport``), named ``<layer>.<k|v|scores>``.
 
 A speculative drafter's own layers (a draft model's, EAGLE's, MTP's) keep vLLM's attention and
 their KV cache whole, so their prompt is whole blocks by position: they travel as the blocks
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from h2o_vllm.transfer_orders import KVMove, TransferOrders
+from h2o_vllm.kv_transfer.orders import KVMove, TransferOrders
 
 
 class StatefulLayer(Protocol):

@@ -1,4 +1,4 @@
-"""scheduler.events, the functions vLLM's scheduler hooks call: budgets in and out, compacted
+"""scheduler.scheduling, the functions vLLM's scheduler hooks call: budgets in and out, compacted
 tails cut when their step is scheduled, admission watermark, metrics.
 
 Managers are real H2OManagers on a real BlockPool (or inside vLLM's real KVCacheManager) and
@@ -20,9 +20,9 @@ from vllm.v1.request import Request, RequestStatus
 from h2o_vllm import metrics, vllm_hooks
 from h2o_vllm.config import Budget, H2OConfig
 from h2o_vllm.policy import kv_len_after, step_compacts
-from h2o_vllm.scheduler import events as step
+from h2o_vllm.scheduler import scheduling
 from h2o_vllm.scheduler.manager import H2OManager
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
+from h2o_vllm.spec import H2OAttentionSpec
 
 BLOCK = 16
 MAX_LEN = 4096
@@ -58,8 +58,8 @@ def _run(manager, request):
 
 def test_scheduler_step_add_request_resolves_budget_in_every_manager():
     managers = _managers(H2OConfig(min_tokens=0), H2OConfig(heavy_tokens=8, recent_tokens=8, interval=4))
-    step.add_request(managers, _request("plain", 100))
-    step.add_request(managers, _request("small", 100, extra_args={**SMALL, "other": 1}))
+    scheduling.add_request(managers, _request("plain", 100))
+    scheduling.add_request(managers, _request("small", 100, extra_args={**SMALL, "other": 1}))
     assert all("plain" in m.budgets and "small" in m.budgets for m in managers)
     # Read back later without extra_args (what the managers do): the first resolution stays.
     assert [m.budgets.resolve("plain", 100) for m in managers] == [Budget(10, 10, BLOCK), Budget(8, 8, 4)]
@@ -70,16 +70,16 @@ def test_scheduler_step_add_request_without_sampling_params():
     managers = _managers(H2OConfig(min_tokens=0))
     pooling = _request("p", 50)
     pooling.sampling_params = None  # a pooling request carries no SamplingParams
-    step.add_request(managers, pooling)
+    scheduling.add_request(managers, pooling)
     assert managers[0].budgets.resolve("p", 50) == Budget(5, 5, BLOCK)
 
 
 def test_scheduler_step_finish_request_forgets_budget():
     managers = _managers(H2OConfig(), H2OConfig())
     for rid in ("done", "kept"):
-        step.add_request(managers, _request(rid, 100, extra_args=SMALL))
-    step.finish_request(managers, "done")
-    step.finish_request(managers, "never-added")  # an abort before add: no error
+        scheduling.add_request(managers, _request(rid, 100, extra_args=SMALL))
+    scheduling.finish_request(managers, "done")
+    scheduling.finish_request(managers, "never-added")  # an abort before add: no error
     assert all("done" not in m.budgets and "kept" in m.budgets for m in managers)
     assert all(len(m.budgets) == 1 for m in managers)
 
@@ -102,10 +102,10 @@ def test_scheduler_step_cut_scheduled_frees_as_soon_as_the_step_is_scheduled():
     request.num_computed_tokens, request.num_in_flight_tokens = 100, 100
     free = kv_cache_manager.block_pool.get_num_free_blocks()
     output = SimpleNamespace(num_scheduled_tokens={"a": 100})
-    step.cut_scheduled([manager], output, {"a": request})
+    scheduling.cut_scheduled([manager], output, {"a": request})
     assert len(manager.req_to_blocks["a"]) == 1 and manager.num_freed_blocks == 6
     assert kv_cache_manager.block_pool.get_num_free_blocks() == free + 6
-    step.cut_scheduled([manager], output, {"a": request})  # idempotent
+    scheduling.cut_scheduled([manager], output, {"a": request})  # idempotent
     # The next decode step: vLLM's remove_skipped_blocks (processed basis: 0) leaves it be.
     assert kv_cache_manager.allocate_slots(request, 1) is not None
     assert len(manager.req_to_blocks["a"]) == 2 and manager.num_evicted["a"] == 84
@@ -121,8 +121,8 @@ def test_scheduler_step_admission_watermark(status):
     newcomer = _request("c", 10, max_tokens=6)  # fits in the one block it allocates now
     newcomer.status = status
     expected = 5 if status == RequestStatus.RUNNING else 5 + 2 + 1
-    assert step.admission_watermark([first, second], [], 5, newcomer, 10, 10, MAX_LEN) == expected
-    assert step.admission_watermark([], [], 5, newcomer, 10, 10, MAX_LEN) == 5
+    assert scheduling.admission_watermark([first, second], [], 5, newcomer, 10, 10, MAX_LEN) == expected
+    assert scheduling.admission_watermark([], [], 5, newcomer, 10, 10, MAX_LEN) == 5
 
 
 def test_admission_watermark_adds_what_the_groups_h2o_leaves_whole_claim():
@@ -137,10 +137,10 @@ def test_admission_watermark_adds_what_the_groups_h2o_leaves_whole_claim():
     drafter.allocate_new_blocks("a", 40, 40)  # 3 blocks, whole
     newcomer = _request("c", 16, max_tokens=8)
     newcomer.status = RequestStatus.WAITING
-    alone = step.admission_watermark([h2o], [], 0, newcomer, 16, 16, MAX_LEN)
+    alone = scheduling.admission_watermark([h2o], [], 0, newcomer, 16, 16, MAX_LEN)
     # "a" grows two blocks over its next interval; "c" (24 tokens at most: 2 blocks) one more
     # than its 16-token prompt's step allocates.
-    assert step.admission_watermark([h2o], [drafter], 0, newcomer, 16, 16, MAX_LEN) == alone + 2 + 1
+    assert scheduling.admission_watermark([h2o], [drafter], 0, newcomer, 16, 16, MAX_LEN) == alone + 2 + 1
     # A sequence near its end claims only what is left of it.
     drafter.allocate_new_blocks("a", 130, 130)  # 9 of its 9 blocks (140 tokens at most)
     assert h2o.whole_group_headroom(drafter, newcomer, 16) == 1
@@ -155,13 +155,13 @@ def test_scheduler_step_record_metrics_sets_recorder(monkeypatch):
         for manager in (first, second):
             _run(manager, request)
     running.append(_request("new", 20, computed=0))  # scheduled, nothing computed yet
-    step.record_metrics([first, second], running)
+    scheduling.record_metrics([first, second], running)
     # In each group a keeps 16 of 100 tokens (6 blocks freed), b 16 of 40 (2 freed).
     assert (first.num_freed_blocks, second.num_freed_blocks) == (8, 8)
     assert metrics.recorder().values == {"freed_blocks": 16, "live_kv_tokens": 16 + 16,
                                          "score_record_tokens": 0}
     before = dict(metrics.recorder().values)
-    step.record_metrics([], running)  # no H2O group: nothing recorded
+    scheduling.record_metrics([], running)  # no H2O group: nothing recorded
     assert metrics.recorder().values == before
 
 
@@ -186,7 +186,7 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
         # counted in full; one token (the last sampled) known past it.
         request.num_tokens, request.num_output_placeholders = computed + 1, in_flight
         optimistic = computed + in_flight
-        tokens = step.limit_step([m], request, optimistic, 1 + drafts)
+        tokens = scheduling.limit_step([m], request, optimistic, 1 + drafts)
         starts = range(computed + 1, optimistic + 1) if in_flight else [computed]
         if tokens:
             outcomes = {step_compacts(s, tokens, prompt_len, budget) for s in starts}
@@ -229,17 +229,17 @@ def test_a_padded_row_keeps_its_dummy_drafts_only_where_no_compaction_falls_amon
     request = _request("r", prompt_len, extra_args=config)
     for token in range(past):
         request.append_output_token_ids(token)
-    step.add_request([m], request)
+    scheduling.add_request([m], request)
     budget = m.budgets.resolve("r", prompt_len)
     computed = request.num_tokens - 1  # all but the last token: a hit or a load
     request.num_computed_tokens = computed
     if resumed:  # preempted, then admitted again on a prefix-cache hit
         request.status = RequestStatus.PREEMPTED
-    assert step.limit_step([m], request, computed, 1 + drafts) == 1 + drafts
+    assert scheduling.limit_step([m], request, computed, 1 + drafts) == 1 + drafts
     request.status = RequestStatus.RUNNING  # as vLLM sets it before the output is built
     admitted = {"resumed" if resumed else "admitted": ["r"]}
     output = _output({"r": 1 + drafts, "other": 5}, {"r": [-1] * drafts}, **admitted)
-    step.drop_padding([m], output, {"r": request})
+    scheduling.drop_padding([m], output, {"r": request})
     padded = "r" in output.scheduled_spec_decode_tokens
     tokens = output.num_scheduled_tokens["r"]
     assert tokens == (1 + drafts if padded else 1) and output.total_num_scheduled_tokens == 5 + tokens
@@ -252,13 +252,13 @@ def test_drop_padding_leaves_a_running_requests_own_drafts_alone():
     where they would reach a compaction, and ``drop_padding`` does not touch them."""
     (m,) = _managers(H2OConfig(heavy_tokens=4, recent_tokens=4, interval=4))
     request = _request("r", 20)
-    step.add_request([m], request)
+    scheduling.add_request([m], request)
     request.append_output_token_ids(7)
     request.num_computed_tokens, request.spec_token_ids = 20, [1, 2, 3]
     request.status = RequestStatus.RUNNING
-    tokens = step.limit_step([m], request, 20, 4)
+    tokens = scheduling.limit_step([m], request, 20, 4)
     assert tokens < 4  # the compaction at 24 is the fourth token's: cut before it
     request.spec_token_ids = []  # vLLM clears them once it has scheduled them
     output = _output({"r": tokens}, {"r": [1, 2, 3][:tokens - 1]})
-    step.drop_padding([m], output, {"r": request})
+    scheduling.drop_padding([m], output, {"r": request})
     assert output.num_scheduled_tokens == {"r": tokens} and output.scheduled_spec_decode_tokens["r"] == [1, 2, 3][:tokens - 1]

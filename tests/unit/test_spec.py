@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from h2o_vllm import vllm_hooks
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.scheduler.manager import H2OManager
-from h2o_vllm.scheduler.spec import H2OAttentionSpec, h2o_specs
+from h2o_vllm.spec import H2OAttentionSpec, h2o_specs
 
 CONFIG = H2OConfig(heavy_ratio=0.3, recent_ratio=0.2, interval=4)
 

@@ -1,4 +1,4 @@
-"""Upstream-drift guards for h2o_vllm.vllm_hooks.introspect, the tools' read-only views of an
+"""Upstream-drift guards for h2o_vllm.vllm_shims.introspect, the tools' read-only views of an
 offline engine (the demo, the benchmarks, the GPU load check).
 
 What is guarded here:
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from h2o_vllm.vllm_hooks import introspect
-from h2o_vllm.vllm_hooks.seam import SUPPORTED_VLLM
+from h2o_vllm.vllm_shims import introspect
+from h2o_vllm.vllm_shims.symbols import SUPPORTED_VLLM
 
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl"

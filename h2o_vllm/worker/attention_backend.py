@@ -19,7 +19,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
-from h2o_vllm.scheduler.spec import is_h2o_spec
+from h2o_vllm.spec import is_h2o_spec
 from h2o_vllm.worker.plan import StepPlan
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
@@ -200,7 +200,7 @@ class H2OImplMixin:
 
     def cache_state(self, kv_cache: torch.Tensor):
         """(the device's views of ``kv_cache``, this layer's score buffer): what KV transfer
-        reads and writes (``worker.transfer``)."""
+        reads and writes (``kv_transfer.save_load``)."""
         views = self._views_of(kv_cache)
         return views, self._scores_like(views)
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from h2o_vllm.spec import H2OAttentionSpec
 
 
 def _groups(kv_cache_config) -> list[tuple[int, Any]]:
@@ -20,15 +23,13 @@ def h2o_groups(kv_cache_config) -> list[tuple[int, Any]]:
     drafter with fewer layers (it groups layers in equal numbers: an EAGLE head's one layer
     beside a 30-layer target makes 30). Every group runs the same plan; each has its own
     blocks (``KVMove.block_ids``, in this order)."""
-    from h2o_vllm.scheduler.spec import H2OAttentionSpec
     return [(g, group) for g, group in _groups(kv_cache_config) if isinstance(group.kv_cache_spec, H2OAttentionSpec)]
 
 
 def whole_groups(kv_cache_config) -> list[tuple[int, Any]]:
     """(index, group) of each KV-cache group H2O leaves whole: a speculative drafter's own
     layers (a hybrid model's window groups are refused beside a connector before load,
-    ``frontend.kv_transfer_config.check_model``). Their prompt travels as whole blocks."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    ``kv_transfer.transfer_config.check_model``). Their prompt travels as whole blocks."""
     h2o = {g for g, _ in h2o_groups(kv_cache_config)}
     whole = [(g, group) for g, group in _groups(kv_cache_config) if g not in h2o]
     for _, group in whole:

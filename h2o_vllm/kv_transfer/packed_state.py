@@ -1,9 +1,9 @@
 """PackedState: one rank's H2O state of a prompt as one run of bytes, as NIXL moves it.
 
-Pure (torch and the stdlib). The producer's worker packs what ``worker.transfer.read_state``
+Pure (torch and the stdlib). The producer's worker packs what ``kv_transfer.save_load.read_state``
 reads (per H2O layer, in name order: K and V ``[kv_len, kv_heads, head_size]`` in the cache's
 dtype, scores ``[kv_len, kv_heads]`` fp32), then a speculative drafter's layers' blocks
-(``worker.transfer.read_blocks``, in name order), between two seals; the consumer's worker checks
+(``kv_transfer.save_load.read_blocks``, in name order), between two seals; the consumer's worker checks
 both seals and unpacks. The scheduler sizes the run before any worker has packed it
 (``packed_nbytes``), from the KV-cache spec, so the producer can reserve staging space and
 name it in the request's ``kv_transfer_params`` when it finishes.

@@ -2,7 +2,7 @@
 
 The protocol is ``TransferScheduler``'s (docs/kv-transfer.md); only the medium differs. The
 producer packs a prompt's state into staging space it reserves at the save
-(``scheduler.staging``), and names it (each rank's NIXL agent and buffer, the offset, the
+(``kv_transfer.staging``), and names it (each rank's NIXL agent and buffer, the offset, the
 ticket) in the request's ``kv_transfer_params``; vLLM's disaggregation proxy hands those to
 the decoder, as it does for vLLM's own NIXL connector. The decoder's workers read the state
 before the request is admitted (``KVFetch``; vLLM asks again each step while it is on its
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from h2o_vllm import metrics
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.kv_store import StoredPrompt
-from h2o_vllm.packed_state import packed_nbytes
-from h2o_vllm.scheduler.staging import Staging
-from h2o_vllm.scheduler.transfer import PENDING, TransferScheduler, WholeGroup
-from h2o_vllm.transfer_orders import KVFetch, KVMove, NixlPeer, TransferOrders, TransferReport
+from h2o_vllm.kv_transfer.store import StoredPrompt
+from h2o_vllm.kv_transfer.packed_state import packed_nbytes
+from h2o_vllm.kv_transfer.staging import Staging
+from h2o_vllm.kv_transfer.transfer_scheduler import PENDING, TransferScheduler, WholeGroup
+from h2o_vllm.kv_transfer.orders import KVFetch, KVMove, NixlPeer, TransferOrders, TransferReport
 
 logger = logging.getLogger("vllm.h2o_vllm")
 

@@ -1,4 +1,4 @@
-"""scheduler.transfer.TransferScheduler: which consumer requests continue a stored prompt, when
+"""kv_transfer.transfer_scheduler.TransferScheduler: which consumer requests continue a stored prompt, when
 they load, what the producer saves and commits. A real H2OManager and vLLM's real Request."""
 from types import SimpleNamespace
 
@@ -8,14 +8,13 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
-from h2o_vllm import vllm_hooks  # noqa: F401  (first: the scheduler modules import each other through it)
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.kv_store import KVStore, StoredPrompt, state_key
+from h2o_vllm.kv_transfer.store import KVStore, StoredPrompt, state_key
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.scheduler import events
+from h2o_vllm.scheduler import scheduling
 from h2o_vllm.scheduler.manager import H2OManager
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.scheduler.transfer import TransferScheduler, WholeGroup
+from h2o_vllm.spec import H2OAttentionSpec
+from h2o_vllm.kv_transfer.transfer_scheduler import TransferScheduler, WholeGroup
 
 BLOCK = 16
 CONFIG = H2OConfig.from_dict({"heavy_tokens": 8, "recent_tokens": 8})
@@ -51,7 +50,7 @@ def test_a_committed_prompt_plus_its_first_token_continues_the_producers_request
     transfer, manager = _transfer(tmp_path), _manager()
     consumer = _request("c", PROMPT + [7])
     assert transfer.prompt_len(consumer) == 40
-    events.add_request([manager], consumer, 40)
+    scheduling.add_request([manager], consumer, 40)
     assert manager.prompt_len_of(consumer) == 40
     # Another first token, another prompt, or a producer: vLLM's prompt length.
     assert transfer.prompt_len(_request("x", PROMPT + [8])) == 41
@@ -100,7 +99,7 @@ def test_a_flawed_state_or_a_computed_prefix_is_not_loaded(tmp_path):
 def test_the_producer_saves_at_its_prompts_end_and_commits_once_it_has_a_token(tmp_path):
     transfer, manager = _transfer(tmp_path, produces=True, consumes=False), _manager()
     producer = _request("p", PROMPT)
-    events.add_request([manager], producer, transfer.prompt_len(producer))
+    scheduling.add_request([manager], producer, transfer.prompt_len(producer))
     manager.allocate_new_blocks("p", 32, 32)
     step = SimpleNamespace(num_scheduled_tokens={"p": 32}, scheduled_spec_decode_tokens={})
     assert not transfer.orders(step, {"p": producer}, [manager]).saves  # mid-prompt
@@ -124,7 +123,7 @@ def test_the_producer_saves_when_vllm_pads_its_prompts_last_step_with_dummy_draf
     decoding vLLM pads that one-token step with dummy drafts, which are no prompt tokens."""
     transfer, manager = _transfer(tmp_path, produces=True, consumes=False), _manager()
     producer = _request("p", PROMPT)
-    events.add_request([manager], producer, transfer.prompt_len(producer))
+    scheduling.add_request([manager], producer, transfer.prompt_len(producer))
     manager.allocate_new_blocks("p", 43, 43)
     producer.num_computed_tokens = 39
     step = SimpleNamespace(num_scheduled_tokens={"p": 4}, scheduled_spec_decode_tokens={"p": [-1] * 3})
@@ -141,14 +140,14 @@ def test_a_padded_prompt_step_that_compacts_only_with_its_dummies_saves_the_bloc
     transfer, manager = _transfer(tmp_path, produces=True, consumes=False), _manager(caching=True)
     prompt = PROMPT[:31]
     producer = _request("p", prompt)
-    events.add_request([manager], producer, transfer.prompt_len(producer))
+    scheduling.add_request([manager], producer, transfer.prompt_len(producer))
     producer.num_computed_tokens = 30
     manager.allocate_new_blocks("p", 34, 34)
     assert "p" in manager.fresh  # for the padded step's compaction
     step = SimpleNamespace(num_scheduled_tokens={"p": 4}, scheduled_spec_decode_tokens={"p": [-1] * 3},
                            total_num_scheduled_tokens=4, scheduled_new_reqs=[SimpleNamespace(req_id="p")],
                            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
-    events.drop_padding([manager], step, {"p": producer})
+    scheduling.drop_padding([manager], step, {"p": producer})
     (save,) = transfer.orders(step, {"p": producer}, [manager]).saves
     assert save.kv_len == 31 and save.block_ids == (tuple(b.block_id for b in manager.req_to_blocks["p"][:2]),)
 
@@ -161,7 +160,7 @@ def test_a_drafters_whole_groups_move_the_blocks_that_hold_the_prompt(tmp_path):
     producing = TransferScheduler(KVStore(tmp_path), CONFIG, BLOCK, 1, True, False, drafter)
     manager = _manager()
     producer = _request("p", PROMPT)
-    events.add_request([manager], producer, producing.prompt_len(producer))
+    scheduling.add_request([manager], producer, producing.prompt_len(producer))
     manager.allocate_new_blocks("p", 40, 40)
     drafter_ids = [[11, 12, 13, 14], [21, 22, 23]]  # the prompt and room past it
     step = SimpleNamespace(num_scheduled_tokens={"p": 40}, scheduled_spec_decode_tokens={})
@@ -195,13 +194,13 @@ def test_a_consumer_computing_its_prompt_stops_a_step_at_h2os_prompt_end(tmp_pat
     _stored(tmp_path)
     transfer, manager = _transfer(tmp_path), _manager()
     consumer = _request("c", PROMPT + [7])
-    events.add_request([manager], consumer, transfer.prompt_len(consumer))
-    assert events.limit_step([manager], consumer, 0, 41) == 40
-    assert events.limit_step([manager], consumer, 16, 25) == 24
-    assert events.limit_step([manager], consumer, 40, 1) == 1
+    scheduling.add_request([manager], consumer, transfer.prompt_len(consumer))
+    assert scheduling.limit_step([manager], consumer, 0, 41) == 40
+    assert scheduling.limit_step([manager], consumer, 16, 25) == 24
+    assert scheduling.limit_step([manager], consumer, 40, 1) == 1
     plain = _request("q", PROMPT + [7])
-    events.add_request([manager], plain)
-    assert events.limit_step([manager], plain, 0, 41) == 41
+    scheduling.add_request([manager], plain)
+    assert scheduling.limit_step([manager], plain, 0, 41) == 41
 
 
 def _core_request(rid: str, ids: list[int], kv: dict | None, **params):

@@ -1,11 +1,11 @@
-"""h2o_vllm.worker.transfer: a prompt's live KV positions out of one paged cache and into
+"""h2o_vllm.kv_transfer.save_load: a prompt's live KV positions out of one paged cache and into
 another, in both devices' layouts (CPU vec pages, Triton's; fp8 bytes), with their scores."""
 import pytest
 import torch
 
-from h2o_vllm.kv_store import KVStore
-from h2o_vllm.transfer_orders import KVMove, TransferOrders
-from h2o_vllm.worker import transfer
+from h2o_vllm.kv_transfer.store import KVStore
+from h2o_vllm.kv_transfer.orders import KVMove, TransferOrders
+from h2o_vllm.kv_transfer import save_load
 from h2o_vllm.worker.cpu.layout import cache_views
 from h2o_vllm.worker.cuda.ops import TritonOps
 
@@ -44,13 +44,13 @@ def test_saved_positions_load_into_other_blocks_unchanged(tmp_path, layout):
     store = KVStore(tmp_path)
     kv_len = 10  # three blocks, the last one part full
     save = KVMove("r", "key", ((5, 2, 7),), kv_len)
-    written = transfer.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache, 0)],
+    written = save_load.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache, 0)],
                              lambda move, tensors: store.write_rank(move.key, 0, tensors))
     assert written == store.rank_path("key", 0).stat().st_size
     stored = store.read_rank("key", 0)
     assert stored["l0.k"].shape == (kv_len, HEADS, HEAD_SIZE) and stored["l0.scores"].shape == (kv_len, HEADS)
     load = KVMove("r", "key", ((1, 6, 3),), kv_len)
-    transfer.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache, 0)],
+    save_load.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache, 0)],
                    lambda move: store.read_rank(move.key, 0))
     got = views_of(consumer.kv_cache)
     for pos in range(kv_len):
@@ -81,11 +81,11 @@ def test_a_drafters_whole_layer_travels_as_the_blocks_that_hold_the_prompt(tmp_p
     loaded = torch.zeros_like(drafter)
     store = KVStore(tmp_path)
     save = KVMove("r", "key", ((5, 2),), 6, whole=((4, 0, 6),))
-    transfer.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache, 0)],
+    save_load.save(TransferOrders(saves=[save]), [("l0", producer, producer.kv_cache, 0)],
                   lambda move, tensors: store.write_rank(move.key, 0, tensors), [("d0", 0, drafter)])
     assert store.read_rank("key", 0)["d0.blocks"].shape == (3, HEADS, BLOCK, 2 * HEAD_SIZE)
     load = KVMove("r", "key", ((1, 3),), 6, whole=((7, 2, 1),))
-    transfer.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache, 0)],
+    save_load.load(TransferOrders(loads=[load]), [("l0", consumer, consumer.kv_cache, 0)],
                   lambda move: store.read_rank(move.key, 0), [("d0", 0, loaded)])
     for src, dst in zip(save.whole[0], load.whole[0]):
         assert torch.equal(_bits(loaded[dst]), _bits(drafter[src]))
@@ -103,10 +103,10 @@ def test_each_h2o_group_moves_by_its_own_blocks():
         layer.scores.uniform_()
     save = KVMove("r", "key", ((5, 2), (0, 7)), 6)
     files = {}
-    transfer.save(TransferOrders(saves=[save]), [(f"l{g}", layer, layer.kv_cache, g) for g, layer in enumerate(layers)],
+    save_load.save(TransferOrders(saves=[save]), [(f"l{g}", layer, layer.kv_cache, g) for g, layer in enumerate(layers)],
                   lambda move, tensors: files.update(tensors) or 0)
     load = KVMove("r", "key", ((1, 3), (4, 6)), 6)
-    transfer.load(TransferOrders(loads=[load]), [(f"l{g}", layer, layer.kv_cache, g) for g, layer in enumerate(loaded)],
+    save_load.load(TransferOrders(loads=[load]), [(f"l{g}", layer, layer.kv_cache, g) for g, layer in enumerate(loaded)],
                   lambda move: files)
     for g in range(2):
         for pos in range(6):

@@ -1,9 +1,9 @@
-"""worker.core: how a step's plan reaches the metadata builders (the hooks hand it over)."""
+"""worker.attention_backend: how a step's plan reaches the metadata builders (the hooks hand it over)."""
 import torch
 
 from h2o_vllm.config import Budget
 from h2o_vllm.worker import plan as step_plan
-from h2o_vllm.worker.core import H2OBuilderMixin, arm, building, take_armed
+from h2o_vllm.worker.attention_backend import H2OBuilderMixin, arm, building, take_armed
 
 t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
 

@@ -1,11 +1,11 @@
 """TransferOrders: what the scheduler tells the workers, per step, about KV transfer, and
 TransferReport: what the workers tell it back.
 
-Pure data (stdlib only), built by ``scheduler.transfer.TransferScheduler.orders`` in the
+Pure data (stdlib only), built by ``kv_transfer.transfer_scheduler.TransferScheduler.orders`` in the
 engine-core process and carried to every worker inside H2O's KV-connector metadata
-(``vllm_hooks.connector``); read by the runner hooks (prompt lengths) and by
-``worker.transfer`` (loads and saves). Fetches and reports are NIXL's
-(``worker.nixl_transport``): a state read from the producer's staging space before the
+(``kv_transfer.connector``); read by the runner hooks (prompt lengths) and by
+``kv_transfer.save_load`` (loads and saves). Fetches and reports are NIXL's
+(``kv_transfer.nixl_transport``): a state read from the producer's staging space before the
 scheduler lets the request load it.
 """
 from __future__ import annotations

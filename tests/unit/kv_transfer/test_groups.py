@@ -1,4 +1,4 @@
-"""vllm_hooks.connector_groups: which KV-cache groups H2O's connectors move, read from vLLM's
+"""kv_transfer.groups: which KV-cache groups H2O's connectors move, read from vLLM's
 own ``KVCacheConfig`` when the engine starts: every H2O group (vLLM splits a target into
 several beside a drafter with fewer layers), and a speculative drafter's groups whole;
 anything else is refused then, naming the way out, before a request can fail."""
@@ -8,8 +8,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         SlidingWindowSpec)
 
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.scheduler.spec import H2OAttentionSpec
-from h2o_vllm.vllm_hooks.connector_groups import by_pool_block, h2o_groups, whole_groups
+from h2o_vllm.spec import H2OAttentionSpec
+from h2o_vllm.kv_transfer.groups import by_pool_block, h2o_groups, whole_groups
 
 SHAPE = dict(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
 H2O = H2OAttentionSpec(**SHAPE, h2o=H2OConfig())
