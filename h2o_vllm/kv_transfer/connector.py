@@ -74,7 +74,7 @@ class H2OConnector(KVConnectorBase_V1, SupportsHMA):
             self.transfer = self._make_transfer(config, dict(
                 block_size=vllm_config.cache_config.block_size,
                 world_size=vllm_config.parallel_config.tensor_parallel_size,
-                produces=save_load.is_kv_producer, consumes=save_load.is_kv_consumer,
+                produces=transfer.is_kv_producer, consumes=transfer.is_kv_consumer,
                 whole=tuple(WholeGroup(g.kv_cache_spec.block_size, tuple(sorted(g.layer_names)))
                             for _, g in self.whole_groups)))
 

@@ -161,7 +161,7 @@ class H2OManager(AdmissionClaims, FullAttentionManager):
 
     def step_shortened(self, request_id: str, num_tokens: int) -> None:
         """The step just allocated for ends at ``num_tokens`` logical tokens after all
-        (``events.drop_padding``): fresh blocks sized for the longer step are sized anew, and
+        (``scheduling.drop_padding``): fresh blocks sized for the longer step are sized anew, and
         what that leaves over goes back to the pool."""
         if request_id not in self.step_fresh:
             return

@@ -8,7 +8,7 @@ calls this module.
 
 Each vLLM symbol named here is in ``SYMBOLS`` and looked up with ``seam._require``, so an
 unsupported vLLM fails naming the symbol and the supported range (``seam.SUPPORTED_VLLM``);
-``tests/unit/vllm_hooks/test_introspect.py`` records their signatures and every instance
+``tests/unit/vllm_shims/test_introspect.py`` records their signatures and every instance
 attribute read here, and fails when vLLM renames one.
 """
 from __future__ import annotations

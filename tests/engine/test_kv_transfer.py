@@ -236,7 +236,7 @@ def test_preempted_consumer_requests_recompute_and_drain(consumer, consumed, pro
     every request completes and the pool drains."""
     from h2o_vllm.scheduler import scheduling
     from h2o_vllm.vllm_shims.introspect import count_preemptions
-    monkeypatch.setattr(events, "admission_watermark", stock_admission)
+    monkeypatch.setattr(scheduling, "admission_watermark", stock_admission)
     firsts, _ = produced
     case, i = "ratio-0.1+0.1-block", len(PROMPTS) - 1
     scheduler = scheduler_of(consumer)

@@ -21,7 +21,7 @@ BLOCK = 16
 MAX_TOKENS = 12
 #: The pool holds 24 blocks (384 tokens); max_model_len is 512. Stock vLLM refuses to start
 #: there; with prefill_chunk H2O starts since one request's peak fits (policy.engine_peak_blocks;
-#: the check itself: tests/unit/scheduler/test_spec.py).
+#: the check itself: tests/unit/test_spec.py).
 NUM_BLOCKS, MAX_MODEL_LEN = 24, 512
 ENGINE_H2O = {"heavy_tokens": 8, "recent_tokens": 8, "prefill_chunk": 64}
 # One token, shorter than every chunk, a few chunks, and longer than the whole pool.

@@ -28,6 +28,7 @@ import torch
 
 from h2o_vllm.config import MAX_PENDING
 from h2o_vllm.worker.cpu.scores import DecodeIndex, accumulate_row_queries, decode_index
+from h2o_vllm.worker.query_book import QueryBook, grown
 from h2o_vllm.worker.step import H2OStep
 
 
@@ -73,24 +74,13 @@ class DeferredDecode:
     immediate: bool
 
 
-class PendingBook:
+class PendingBook(QueryBook[DeferredDecode]):
     """Which request's queries wait where, across steps (one per KV-cache group)."""
 
     def __init__(self, block_size: int) -> None:
+        super().__init__()
         self.block_size = block_size
         self._waiting: dict[str, _Waiting] = {}
-        self._free: list[int] = []
-        self._capacity = 0
-        self._last: tuple[object, DeferredDecode | None] | None = None
-
-    def decide(self, step: H2OStep) -> DeferredDecode | None:
-        """This step's decision; None when the plan names no requests (unit-test steps)."""
-        plan = step.plan
-        if self._last is not None and self._last[0] is plan:  # built twice for one step
-            return self._last[1]
-        decision = self._decide(step) if plan.req_ids else None
-        self._last = (plan, decision)
-        return decision
 
     def _decide(self, step: H2OStep) -> DeferredDecode:
         plan = step.plan
@@ -166,16 +156,10 @@ class PendingBook:
                      weights=weights.to(torch.float32),
                      factor=torch.tensor(factors, dtype=torch.float32) if weighted else None)
 
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        self._capacity += 1
-        return self._capacity - 1
-
     def _release(self, req_id: str) -> None:
         waiting = self._waiting.pop(req_id, None)
         if waiting is not None:
-            self._free.append(waiting.slot)
+            self._give_back(waiting.slot)
 
 
 class PendingQueries:
@@ -202,10 +186,5 @@ class PendingQueries:
                                flush.factor, softcap, sink_logits)
 
     def _buffer(self, capacity: int, query: torch.Tensor) -> torch.Tensor:
-        if self.buffer is None or self.buffer.shape[0] < capacity:
-            grown = query.new_zeros(max(capacity, 2 * (0 if self.buffer is None else self.buffer.shape[0])),
-                                    MAX_PENDING, *query.shape[1:])
-            if self.buffer is not None:
-                grown[:self.buffer.shape[0]] = self.buffer
-            self.buffer = grown
+        self.buffer = grown(self.buffer, (capacity, MAX_PENDING, *query.shape[1:]), query)
         return self.buffer

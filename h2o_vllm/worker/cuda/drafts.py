@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o_vllm import kernels  # launchers load lazily, with Triton (kernels.__init__)
+from h2o_vllm.worker.query_book import QueryBook, grown
 from h2o_vllm.worker.step import H2OStep
 
 
@@ -40,24 +41,16 @@ class DraftStep:
     store_pos: torch.Tensor | None
 
 
-class DraftBook:
+class DraftBook(QueryBook[DraftStep]):
     """Which request's queries are held where, from one step to the next."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._held: dict[str, tuple[int, list[int]]] = {}  # request -> (slot, keys each query saw)
-        self._free: list[int] = []
-        self._capacity = 0
         self._width = 1
-        self._last: tuple[object, DraftStep | None] | None = None
 
-    def decide(self, step: H2OStep) -> DraftStep | None:
-        """This step's decision; None when nothing is held or stored."""
-        plan = step.plan
-        if self._last is not None and self._last[0] is plan:  # built twice for one step
-            return self._last[1]
-        decision = self._decide(step) if plan.req_ids and (plan.draft_lens is not None or self._held) else None
-        self._last = (plan, decision)
-        return decision
+    def _has_work(self, plan) -> bool:
+        return bool(plan.req_ids) and (plan.draft_lens is not None or bool(self._held))
 
     def _decide(self, step: H2OStep) -> DraftStep | None:
         plan = step.plan
@@ -75,7 +68,7 @@ class DraftBook:
                 kept = [n for n in kv_lens if n <= kv_before[row]]  # a rejected draft saw itself
                 if kept:
                     scored.append((row, slot, kept))
-                self._free.append(slot)
+                self._give_back(slot)
             if drafts[row]:
                 slot = self._take_slot()
                 self._held[req_id] = (slot, [kv_before[row] + j + 1 for j in range(q_lens[row])])
@@ -100,16 +93,10 @@ class DraftBook:
         return DraftStep(capacity=self._capacity, width=self._width, score=score,
                          store_tokens=tokens, store_slots=slots, store_pos=pos)
 
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        self._capacity += 1
-        return self._capacity - 1
-
     def _release(self, req_id: str) -> None:
         held = self._held.pop(req_id, None)
         if held is not None:
-            self._free.append(held[0])
+            self._give_back(held[0])
 
 
 class HeldQueries:
@@ -136,11 +123,5 @@ class HeldQueries:
             buffer[decision.store_slots, decision.store_pos] = query[decision.store_tokens]
 
     def _buffer(self, decision: DraftStep, query: torch.Tensor) -> torch.Tensor:
-        shape = (decision.capacity, decision.width, *query.shape[1:])
-        if self.buffer is None or any(a < b for a, b in zip(self.buffer.shape, shape)):
-            grown = query.new_zeros(*(max(a, b) for a, b in zip(
-                shape, self.buffer.shape if self.buffer is not None else shape)))
-            if self.buffer is not None:
-                grown[:self.buffer.shape[0], :self.buffer.shape[1]] = self.buffer
-            self.buffer = grown
+        self.buffer = grown(self.buffer, (decision.capacity, decision.width, *query.shape[1:]), query)
         return self.buffer

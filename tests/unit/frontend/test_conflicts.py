@@ -131,7 +131,7 @@ def test_example_connector_settings_run_h2os_connector(as_dict):
 def test_a_connector_runs_with_every_speculator(method):
     """n-gram lookup has no KV layers of its own; a drafter's own layers travel whole beside
     the H2O state (``kv_transfer.connector``; too many H2O groups beside them are refused when
-    the engine starts: tests/unit/vllm_hooks/test_connector_groups.py)."""
+    the engine starts: tests/unit/kv_transfer/test_groups.py)."""
     kv = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
     spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     conflicts.check_engine_args(_args(kv_transfer_config=kv, speculative_config=spec), H2O)

@@ -1,6 +1,6 @@
 """scheduler.admission: the room an H2O manager keeps free when vLLM admits a request, on a
 real vLLM BlockPool with vLLM's real ``Request`` (the watermark that sums the claims, with a
-drafter's whole group: test_events.py; with real engines: tests/engine/test_blocks.py)."""
+drafter's whole group: test_scheduling.py; with real engines: tests/engine/test_blocks.py)."""
 import pytest
 from vllm.utils.math_utils import cdiv
 

@@ -302,7 +302,7 @@ def test_pop_blocks_for_free_returns_unused_fresh_blocks():
 
 def test_a_step_shortened_after_allocation_keeps_the_fresh_blocks_its_compaction_needs():
     """vLLM padded a one-token step with 3 dummy drafts and allocated for all 4; H2O then takes
-    the padding off (``events.drop_padding``): fresh blocks sized for 23 tokens (kv_len 11, 3
+    the padding off (``scheduling.drop_padding``): fresh blocks sized for 23 tokens (kv_len 11, 3
     blocks) become what the step that ends at 20 needs (kv_len 8, 2 blocks), or none when the
     shorter step does not compact; the rest go back to the pool."""
     for end, kept in ((20, 2), (19, 0)):

@@ -387,7 +387,7 @@ def test_every_prefill_step_passes_the_lookahead_reservation_last():
 
 
 def test_vllm_pads_an_admitted_one_token_row_with_dummy_drafts_that_h2o_can_take_off():
-    """``events.drop_padding``: under speculative decoding vLLM pads a request admitted with one
+    """``scheduling.drop_padding``: under speculative decoding vLLM pads a request admitted with one
     token left to ``1 + num_spec_tokens`` rows (before ``_reserve_prefill_lookahead``, which must
     then leave them whole: vLLM asserts it), records the dummies as drafts of -1 in the step's
     output, and counts the step's tokens as computed in ``_update_after_schedule``, the last
@@ -416,7 +416,7 @@ def test_the_scheduler_asks_the_connector_in_the_order_h2os_transfer_needs():
     reported by ``update_state_after_alloc``; a step with a load loads before its forward
     (``has_sync_kv_loads``); the connector's metadata is built before vLLM advances the
     requests' computed tokens (``orders`` reads them as of the step's start; the connector
-    takes vLLM's padding off there first, ``events.drop_padding``, as the later hook would); the worker
+    takes vLLM's padding off there first, ``scheduling.drop_padding``, as the later hook would); the worker
     finds the attention layers, their impls and caches in the compilation config's
     ``static_forward_context``."""
     source = inspect.getsource(_resolve(f"{_SCHEDULER}.schedule")[1])
@@ -619,7 +619,7 @@ def test_speculative_steps_are_read_from_vllms_step_output_and_requests():
 
 def test_async_drafts_are_counted_where_the_hooks_read_them():
     """Async scheduling with a worker drafter. The scheduler: a step in flight holds one
-    output placeholder for its sampled token and one per draft (``events.limit_step``'s
+    output placeholder for its sampled token and one per draft (``scheduling.limit_step``'s
     drafts-in-flight test). V1: the previous step's drafts by its row and the tokens it kept
     reach the host, and vLLM's own correction is the one ``runner_v1.unverified_drafts``
     makes. V2: the device's computed-token count is the verified one (``runner_v2``)."""
