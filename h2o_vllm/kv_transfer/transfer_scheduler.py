@@ -27,10 +27,11 @@ from typing import NamedTuple
 from vllm.utils.math_utils import cdiv
 
 from h2o_vllm import metrics
-from h2o_vllm.config import H2OConfig, request_config
+from h2o_vllm.budgets import request_budget
+from h2o_vllm.config import H2OConfig
+from h2o_vllm.kv_transfer.orders import KVMove, TransferOrders
 from h2o_vllm.kv_transfer.store import KVStore, StoredPrompt, state_key
 from h2o_vllm.policy import kv_len_after
-from h2o_vllm.kv_transfer.orders import KVMove, TransferOrders
 
 logger = logging.getLogger("vllm.h2o_vllm")
 
@@ -60,9 +61,7 @@ class TransferScheduler:
         self.num_loaded = self.num_recomputed = 0
 
     def _key(self, request, prompt_len: int) -> str:
-        params = request.sampling_params
-        config = request_config(self.config, params.extra_args if params is not None else None)
-        budget = config.budget(prompt_len, self.block_size)
+        budget = request_budget(self.config, request.sampling_params, prompt_len, self.block_size)
         return state_key(request.prompt_token_ids[:prompt_len], budget, self.block_size,
                          [group.layers for group in self.whole_groups])
 
@@ -221,7 +220,7 @@ class TransferScheduler:
                 orders.prompt_lens[rid] = prompt_len
             if (self.produces and rid not in self.continuations
                     and request.num_computed_tokens + num_new == prompt_len > request.num_computed_tokens):
-                budget = manager.budgets.resolve(rid, prompt_len)
+                budget = manager.budgets[rid]
                 kv_len = kv_len_after(prompt_len, prompt_len, budget)
                 key = self._key(request, prompt_len)
                 live = tuple(tuple(m.live_block_ids(rid, kv_len)) for m in managers)

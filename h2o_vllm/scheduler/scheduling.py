@@ -17,14 +17,12 @@ if TYPE_CHECKING:  # manager imports vllm_hooks, whose engine-core hooks import 
 
 
 def add_request(managers: Sequence[H2OManager], request, prompt_len: int | None = None) -> None:
-    """Resolve the request's budget once (engine config + its ``extra_args`` overrides) for
+    """Resolve the request's budget once (engine config + its sampling parameters' overrides) for
     its H2O prompt length: vLLM's, or a KV-transfer consumer's shorter one
     (``kv_transfer.transfer_scheduler.TransferScheduler.prompt_len``)."""
-    params = request.sampling_params
-    extra_args = params.extra_args if params is not None else None
     prompt_len = request.num_prompt_tokens if prompt_len is None else prompt_len
     for manager in managers:
-        manager.budgets.resolve(request.request_id, prompt_len, extra_args)
+        manager.budgets.resolve(request.request_id, prompt_len, request.sampling_params)
         manager.prompt_lens[request.request_id] = prompt_len
 
 

@@ -27,8 +27,8 @@ block pool, preemption count).
 - ``install_runner_v2_hook`` (module ``runner_v2``) does the same on Model Runner V2
   (vllm/v1/worker/gpu/model_runner.py, the CUDA default; on the CPU with
   ``VLLM_USE_V2_MODEL_RUNNER=1`` under ``H2O_VLLM_TRITON_ON_CPU``): it wraps
-  ``GPUModelRunner.add_requests`` (each request's budget from its sampling params),
-  ``update_requests`` (prefix-cache orders; rows that compacted into fresh blocks rewritten
+  ``GPUModelRunner.update_requests`` (new requests' budgets, resolved once from their sampling
+  params as on V1; prefix-cache orders; rows that compacted into fresh blocks rewritten
   with ``BlockTables.block_tables[g].stage_write`` and ``num_blocks``), ``prepare_attn`` (the
   step plan from the ``InputBatch`` and ``RequestState.prompt_len``, armed for the builders;
   compacted rows' ``BlockTables.num_blocks`` cut) and ``get_kv_cache_spec``, and

@@ -93,7 +93,9 @@ def begin_step(state, scheduler_output,
     """Step 1: give rows that compacted into fresh blocks last step those blocks
     (``rewrite_row(request, group id, blocks)``), then keep this step's scheduler inputs."""
     due = state.begin_step(getattr(scheduler_output, ATTRIBUTE, None), void_request_ids(scheduler_output),
-                           scheduled_drafts(scheduler_output), transferred_prompt_lens(scheduler_output))
+                           scheduled_drafts(scheduler_output), transferred_prompt_lens(scheduler_output),
+                           [(new.req_id, new.prompt_len, new.sampling_params)
+                            for new in scheduler_output.scheduled_new_reqs])
     for (req_id, group_id), fresh in due.items():
         rewrite_row(req_id, group_id, fresh)
 

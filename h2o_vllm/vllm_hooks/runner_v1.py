@@ -70,9 +70,6 @@ def _batch_rows(runner, num_reqs: int, scheduled: dict[str, int]):
     batch, requests = runner.input_batch, runner.requests
     req_ids = batch.req_ids[:num_reqs]
 
-    def extra_args_of(req_id: str):
-        params = requests[req_id].sampling_params
-        return params.extra_args if params is not None else None
     num_computed = torch.from_numpy(batch.num_computed_tokens_cpu[:num_reqs]).to(torch.int64)
     if runner.use_async_spec_decode and batch.prev_req_id_to_index:
         num_computed -= torch.tensor(unverified_drafts(
@@ -83,7 +80,7 @@ def _batch_rows(runner, num_reqs: int, scheduled: dict[str, int]):
         num_computed=num_computed,
         prompt_lens=torch.from_numpy(batch.num_prompt_tokens[:num_reqs]).to(torch.int64),
         query_lens=torch.tensor([scheduled[r] for r in req_ids], dtype=torch.int64),
-        extra_args_of=extra_args_of, live_request_ids=requests.keys())
+        live_request_ids=requests.keys())
 
 
 def unverified_drafts(req_ids, prev_rows: dict[str, int], drafted, sampled: list[int]) -> list[int]:

@@ -6,9 +6,7 @@ lengths, computed-token counts, by slot) and its block tables in ``BlockTables``
 slot, a block count per KV-cache group and slot); a batch row maps to its slot through
 ``InputBatch.idx_mapping_np``. The metadata builders are the same as on V1.
 
-- ``add_requests``: each new request's budget is resolved from its sampling params (V2 keeps
-  no per-request params the plan could read later).
-- ``update_requests``: ``begin_step``; rewritten rows are staged, so they land with the step's
+- ``update_requests``: ``begin_step`` (new requests' budgets resolved, as on V1); rewritten rows are staged, so they land with the step's
   other block-table writes, before vLLM appends the step's new blocks after them.
 - ``prepare_attn`` (the runner's: block tables and slot mappings gathered for the step): the
   step's plan is made from the ``InputBatch`` and armed on the builders (``worker.attention_backend.arm``);
@@ -23,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
-                                       h2o_builders, runner_state, transferred_prompt_lens)
+                                       h2o_builders, runner_state)
 from h2o_vllm.vllm_hooks.wrapping import _wrap
 from h2o_vllm.worker.attention_backend import arm, building, take_armed
 from h2o_vllm.worker.runner_state import BatchRows
@@ -31,24 +29,10 @@ from h2o_vllm.worker.runner_state import BatchRows
 
 def install_runner_v2_hook() -> None:
     _wrap("vllm.v1.worker.gpu.model_runner:GPUModelRunner.get_kv_cache_spec", _get_kv_cache_spec_wrapper)
-    _wrap("vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests", _add_requests_wrapper)
     _wrap("vllm.v1.worker.gpu.model_runner:GPUModelRunner.update_requests", _update_requests_wrapper)
     _wrap("vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_attn", _prepare_attn_wrapper)
     _wrap("vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn",
           _model_state_prepare_attn_wrapper)
-
-
-def _add_requests_wrapper(original):
-    def add_requests(self, scheduler_output):
-        state = runner_state(self)
-        if state is not None:
-            prompt_lens = transferred_prompt_lens(scheduler_output)
-            for new in scheduler_output.scheduled_new_reqs:
-                params = new.sampling_params
-                state.budgets.resolve(new.req_id, prompt_lens.get(new.req_id, new.prompt_len),
-                                      params.extra_args if params else None)
-        return original(self, scheduler_output)
-    return add_requests
 
 
 def _update_requests_wrapper(original):
@@ -92,7 +76,6 @@ def _batch_rows(runner, input_batch):
         num_computed=_num_computed(runner, input_batch),
         prompt_lens=torch.from_numpy(states.prompt_len.np[slots]).to(torch.int64),
         query_lens=torch.from_numpy(input_batch.num_scheduled_tokens[:n]).to(torch.int64),
-        extra_args_of=lambda req_id: None,  # resolved in add_requests
         live_request_ids=states.req_id_to_index.keys())
 
 

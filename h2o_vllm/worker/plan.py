@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,14 +159,13 @@ def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
 
 def plan_batch(budgets: RequestBudgets, req_ids: Sequence[str], num_computed: torch.Tensor,
                prompt_lens: torch.Tensor, query_lens: torch.Tensor,
-               extra_args_of: Callable[[str], Mapping[str, Any] | None],
                live_request_ids: Iterable[str], orders: Mapping[int, Any] | None = None,
                void_ids: Iterable[str] = (), draft_lens: torch.Tensor | None = None) -> StepPlan:
-    """The plan of a batch whose row i is request ``req_ids[i]``; each request's budget is
-    resolved the first time it is seen (``extra_args_of`` gives its overrides). ``orders``:
-    the step's ``PrefixOrders`` from the scheduler by KV-cache group (prefix caching), or
-    None. ``void_ids``, ``draft_lens``: ``StepPlan``'s."""
-    rows = [budgets.resolve(r, int(prompt_lens[i]), extra_args_of(r)) for i, r in enumerate(req_ids)]
+    """The plan of a batch whose row i is request ``req_ids[i]``, each request's budget read
+    as resolved when it arrived (``RunnerState.begin_step``). ``orders``: the step's
+    ``PrefixOrders`` from the scheduler by KV-cache group (prefix caching), or None.
+    ``void_ids``, ``draft_lens``: ``StepPlan``'s."""
+    rows = [budgets[r] for r in req_ids]
     live = list(live_request_ids)
     if len(budgets) > 4 * max(len(live), 64):  # the runner has no finish event for us
         budgets.retain(live)

@@ -8,7 +8,7 @@ that compacted into fresh blocks last step, to rewrite now), ``plan`` (the batch
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,6 @@ class BatchRows:
     num_computed: torch.Tensor
     prompt_lens: torch.Tensor
     query_lens: torch.Tensor
-    extra_args_of: Callable[[str], Mapping[str, Any] | None]
     live_request_ids: Iterable[str]
 
 
@@ -50,13 +49,17 @@ class RunnerState:
     prompt_lens: Mapping[str, int] = field(default_factory=dict)
 
     def begin_step(self, orders: Mapping[int, PrefixOrders] | None, void_ids: Iterable[str],
-                   drafts: Mapping[str, int] | None = None,
-                   prompt_lens: Mapping[str, int] | None = None) -> dict[tuple[str, int], list[int]]:
+                   drafts: Mapping[str, int] | None = None, prompt_lens: Mapping[str, int] | None = None,
+                   new_requests: Iterable[tuple[str, int, Any]] = ()) -> dict[tuple[str, int], list[int]]:
         """Take this step's scheduler inputs; returns the rewrites due before vLLM appends the
-        step's new blocks (last step's, once)."""
+        step's new blocks (last step's, once). ``new_requests``: (request, vLLM's prompt length,
+        sampling params) of each request the scheduler sends for the first time, whose budget
+        is resolved here, the worker's one point of resolution."""
         due, self.rewrites = self.rewrites, {}
         self.orders, self.void_ids, self.drafts = orders, frozenset(void_ids), drafts or {}
         self.prompt_lens = prompt_lens or {}
+        for req_id, prompt_len, params in new_requests:
+            self.budgets.resolve(req_id, self.prompt_lens.get(req_id, prompt_len), params)
         return due
 
     def plan(self, rows: BatchRows) -> StepPlan:
@@ -68,7 +71,7 @@ class RunnerState:
             prompt_lens = torch.tensor([self.prompt_lens.get(r, int(n)) for r, n in zip(rows.req_ids, prompt_lens)],
                                        dtype=torch.int64)
         return plan_batch(self.budgets, rows.req_ids, rows.num_computed, prompt_lens,
-                          rows.query_lens, rows.extra_args_of, rows.live_request_ids,
+                          rows.query_lens, rows.live_request_ids,
                           orders=self.orders, void_ids=self.void_ids, draft_lens=draft_lens)
 
     def compacted_rows(self, plan: StepPlan) -> Iterator[tuple[int, int, int, list[int] | None]]:

@@ -50,7 +50,7 @@ def test_admission_headroom_claims_a_chunked_prompts_peak_not_its_length():
     unchunked, chunked = _manager(), _manager(CHUNKED)
     for m, extra in ((unchunked, None), (chunked, {"h2o_prefill_chunk": 32})):
         request = _request("new", 400, extra_args=extra)
-        m.budgets.resolve("new", 400, extra)
+        m.budgets.resolve("new", 400, request.sampling_params)
         m.prompt_lens["new"] = 400
         m._headroom = m.admission_headroom(request, 32, MAX_LEN)  # its first chunk now
     assert unchunked._headroom == 25 - 2  # the rest of the prompt, held whole

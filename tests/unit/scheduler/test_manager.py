@@ -55,7 +55,7 @@ def _grow(manager, rid, num_tokens):
 def _prefill(manager, request):
     """Add (budget), admit (headroom), allocate the prompt, compact at its end: now running."""
     n = request.num_prompt_tokens
-    manager.budgets.resolve(request.request_id, n, request.sampling_params.extra_args)
+    manager.budgets.resolve(request.request_id, n, request.sampling_params)
     manager.admission_headroom(request, n, MAX_LEN)
     _grow(manager, request.request_id, n)
     request.num_computed_tokens = n
@@ -102,7 +102,7 @@ def test_manager_leaves_vllms_remove_skipped_blocks_calls_alone():
 
 def test_manager_request_budget_overrides_engine_default():
     m = _manager(H2OConfig(min_tokens=0))  # the paper's: 10% + 10% of the prompt, interval one block
-    small = {"h2o_heavy_tokens": 2, "h2o_recent_tokens": 2, "h2o_interval": 1}
+    small = SamplingParams(extra_args={"h2o_heavy_tokens": 2, "h2o_recent_tokens": 2, "h2o_interval": 1})
     assert m.budgets.resolve("small", 100, small) == Budget(2, 2, 1)
     assert m.budgets.resolve("default", 100) == Budget(10, 10, BLOCK)
     for rid in ("small", "default"):

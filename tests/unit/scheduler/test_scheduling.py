@@ -179,7 +179,7 @@ def test_limit_step_under_async_scheduling_never_places_a_compaction_on_unverifi
     (m,) = _managers(H2OConfig())
     request = SimpleNamespace(request_id="r", num_prompt_tokens=prompt_len, sampling_params=None,
                               num_tokens=0, num_output_placeholders=0, status=RequestStatus.RUNNING)
-    budget = m.budgets.resolve("r", prompt_len, config)
+    budget = m.budgets.resolve("r", prompt_len, SimpleNamespace(extra_args=config))
     computed, in_flight, end, compactions, waited = prompt_len, 0, prompt_len + 60, [], False
     while computed < end:
         # vLLM's view: the step in flight (in_flight tokens: its sampled token and its drafts)

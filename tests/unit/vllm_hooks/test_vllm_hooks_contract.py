@@ -70,7 +70,6 @@ SIGNATURES = {
     f"{_RUNNER}.get_kv_cache_spec": ["self"],
     f"{_RUNNER}._update_states": ["self", "scheduler_output"],
     f"{_RUNNER_V2}.get_kv_cache_spec": ["self"],
-    f"{_RUNNER_V2}.add_requests": ["self", "scheduler_output"],
     f"{_RUNNER_V2}.update_requests": ["self", "scheduler_output"],
     f"{_RUNNER_V2}.prepare_attn": ["self", "input_batch"],
     "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn": [
@@ -282,7 +281,7 @@ def test_v2_runner_calls_the_hooked_methods_in_the_order_the_hook_needs():
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     source = inspect.getsource(GPUModelRunner.execute_model)
     order = [source.index(call) for call in (
-        "self.add_requests(scheduler_output)", "self.update_requests(scheduler_output)",
+        "self.update_requests(scheduler_output)",
         "self.prepare_attn(input_batch)", "self.model_state.prepare_attn(")]
     assert order == sorted(order)
     assert "self.prepare_dummy_attn(" in source  # dummy runs arm no plan
@@ -1052,3 +1051,16 @@ def test_reads_fp8_is_what_vllms_cpu_isa_choice_decides():
         isa = None
     assert reads_fp8() == (isa is not None)
     assert isa in (None, "vec", "amx")
+
+
+def test_new_requests_carry_what_the_worker_resolves_a_budget_from():
+    """``runner.begin_step`` resolves each request's budget, on both runners, from the step
+    output's ``scheduled_new_reqs``: its id, vLLM's prompt length and its sampling params."""
+    from vllm import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.request import Request
+
+    assert "scheduled_new_reqs" in _fields("vllm.v1.core.sched.output:SchedulerOutput")
+    params = SamplingParams(max_tokens=4, extra_args={"h2o_heavy_tokens": 3})
+    new = NewRequestData.from_request(Request("r", [1, 2, 3], params, None), ([],))
+    assert (new.req_id, new.prompt_len, new.sampling_params.extra_args) == ("r", 3, {"h2o_heavy_tokens": 3})

@@ -1,4 +1,6 @@
 """worker.plan: the per-step plan of a batch, from the rows' logical counts and Budgets."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -27,22 +29,19 @@ def test_make_step_plan_rows_follow_kv_len_after():
     assert plan.due.tolist() == [False, True, False]
 
 
-def test_plan_batch_resolves_each_request_once_and_prunes():
+def test_plan_batch_reads_each_requests_resolved_budget_and_prunes():
     book = RequestBudgets(H2OConfig(heavy_tokens=4, recent_tokens=4), block_size=16)
-    asked = []
-
-    def extra_args_of(req_id):
-        asked.append(req_id)
-        return {"h2o_interval": 1} if req_id == "b" else None
+    book.resolve("a", 20)
+    book.resolve("b", 20, SimpleNamespace(extra_args={"h2o_interval": 1}))
     for _ in range(2):
         plan = step_plan.plan_batch(book, ["a", "b"], t([30, 30]), t([20, 20]), t([1, 1]),
-                                    extra_args_of, live_request_ids=["a", "b"])
+                                    live_request_ids=["a", "b"])
     assert book.resolve("b", 20).interval == 1 and book.resolve("a", 20).interval == 16
     assert plan.kv_lens_after.tolist() == [kv_len_after(31, 20, Budget(4, 4, 16)),
                                            kv_len_after(31, 20, Budget(4, 4, 1))]
     for i in range(300):  # finished requests the runner no longer holds are dropped eventually
         book.resolve(f"gone-{i}", 10)
-    step_plan.plan_batch(book, ["a"], t([30]), t([20]), t([1]), extra_args_of, live_request_ids=["a"])
+    step_plan.plan_batch(book, ["a"], t([30]), t([20]), t([1]), live_request_ids=["a"])
     assert len(book) == 1
 
 
