@@ -22,6 +22,9 @@ import threading
 import weakref
 from typing import Iterator
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 DIR_ENV = "H2O_VLLM_METRICS_DIR"
 FLUSH_S = 0.2
 PREFIX = "h2o_vllm:"
@@ -160,7 +163,6 @@ class H2OCollector:
         self.directory = directory
 
     def collect(self) -> Iterator:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         totals = read_totals(self.directory)
         for name, (kind, doc) in METRICS.items():
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
@@ -185,7 +187,6 @@ def register_collector(registry) -> None:
     serves Prometheus multiprocess registries of its own (the hook on ``MultiProcessCollector``
     calls this for each), and the collector there reads the same writers' files (their
     directory is inherited from process 0), so every server shows the same totals."""
-    from prometheus_client import REGISTRY
     directory = os.environ.get(DIR_ENV)
     if registry is REGISTRY or registry in _registries or not directory:
         return
@@ -210,6 +211,5 @@ def setup_process0() -> None:
     os.environ[DIR_ENV] = directory
     owner = os.getpid()
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
-    from prometheus_client import REGISTRY
     _collector = H2OCollector(directory)
     REGISTRY.register(_collector)

@@ -18,7 +18,7 @@ def register() -> None:
     from h2o_vllm.vllm_shims.symbols import check_vllm_version  # plugin order: before the hooks
     check_vllm_version()
     from h2o_vllm import metrics, vllm_hooks  # plugin order: after the version check
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # plugin order
     register_backend(AttentionBackendEnum.CPU_ATTN, "h2o_vllm.worker.cpu.backend.H2OCPUAttentionBackend")
     _register_cuda_backend(vllm_hooks.triton_on_cpu.CUDA_BACKEND)
     vllm_hooks.install_triton_on_cpu()  # H2O_VLLM_TRITON_ON_CPU=1 only: the CUDA path on the CPU
@@ -39,9 +39,7 @@ def register() -> None:
 def _register_cuda_backend(backend: str, is_cuda: bool | None = None) -> None:
     """On CUDA, ``--attention-backend CUSTOM`` selects H2O's Triton backend (h2o_vllm.frontend.cuda_config
     picks CUSTOM when H2O is on and no backend was named). Other platforms are left alone."""
-    if is_cuda is None:
-        from vllm.platforms import current_platform
-        is_cuda = current_platform.is_cuda()
-    if is_cuda:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.platforms import current_platform  # plugin order: after the version check
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # plugin order
+    if current_platform.is_cuda() if is_cuda is None else is_cuda:
         register_backend(AttentionBackendEnum.CUSTOM, backend)

@@ -16,6 +16,14 @@ from __future__ import annotations
 
 import sys
 
+import vllm
+import vllm.entrypoints.cli.benchmark.main as bench
+import vllm.entrypoints.cli.serve as serve
+from vllm import platforms
+from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+from vllm.logger import configure_logging_from_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
 import h2o_vllm
 
 SUBCOMMANDS = ("serve", "bench")
@@ -29,20 +37,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _vllm_main() -> None:
-    import vllm
-    import vllm.entrypoints.cli.benchmark.main as bench
-    import vllm.entrypoints.cli.serve as serve
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-
     cli_env_setup()
     if sys.argv[1:2] == ["bench"]:
         # As vllm's main: a benchmark must not run on the "unspecified" platform.
-        from vllm import platforms
         if platforms.current_platform.is_unspecified():
-            from vllm.platforms.cpu import CpuPlatform
+            from vllm.platforms.cpu import CpuPlatform  # only where no other platform was found
             platforms.current_platform = CpuPlatform()
     parser = FlexibleArgumentParser(
         prog="h2o-vllm",

@@ -21,6 +21,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.config import CompilationConfig
+from vllm.config.attention import AttentionConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
 from h2o_vllm.vllm_shims.cpu_attention import reads_fp8
 
@@ -30,7 +36,6 @@ _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config[
 
 
 def _platform_is_cuda() -> bool:
-    from vllm.platforms import current_platform
     return current_platform.is_cuda()
 
 
@@ -42,9 +47,6 @@ def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
         _choose_backend(args, "on CUDA" if is_cuda else f"with {TRITON_ON_CPU_SWITCH}=1")
     if not is_cuda:
         return
-    from vllm.config import CompilationConfig
-    from vllm.config.compilation import CUDAGraphMode
-
     if isinstance(args.compilation_config, dict):
         args.compilation_config = CompilationConfig(**args.compilation_config)
     mode = args.compilation_config.cudagraph_mode
@@ -57,9 +59,6 @@ def adjust_engine_args(args: Any, is_cuda: bool | None = None) -> None:
 
 
 def _choose_backend(args: Any, where: str) -> None:
-    from vllm.config.attention import AttentionConfig
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
     # "auto" and None both leave the choice to vLLM; names are parsed as vLLM parses them.
     backend = AttentionConfig.validate_backend_before(args.attention_backend)
     if backend is None:

@@ -5,6 +5,8 @@ override is a ``ValueError`` that the server answers with HTTP 400 and ``LLM.gen
 """
 from __future__ import annotations
 
+from vllm.exceptions import VLLMValidationError
+
 from h2o_vllm.config import (REQUEST_KEYS, REQUEST_PREFIX, config_from_additional, request_config,
                              request_overrides)
 from h2o_vllm.frontend.conflicts import FULL_LAYERS, SLIDING_LAYERS
@@ -15,8 +17,6 @@ def _request_error(message: str, value) -> ValueError:
 
     ``AsyncLLM.generate`` turns any other exception, ``ValueError`` included, into a 500
     ``EngineGenerateError``; only ``VLLMClientError`` passes through as a client error."""
-    from vllm.exceptions import VLLMValidationError
-
     class H2ORequestError(VLLMValidationError, ValueError):
         pass
     return H2ORequestError(message, parameter="vllm_xargs", value=value)

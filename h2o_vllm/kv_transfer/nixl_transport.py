@@ -84,7 +84,7 @@ def _on_spare_cores():
 
 class NixlTransport:
     def __init__(self, name: str, staging_bytes: int, rank: int, timeout_s: float = 30.0) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config  # optional: the nixl extra
         with _on_spare_cores():
             self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8)  # pages committed as states land

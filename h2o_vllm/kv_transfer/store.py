@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from h2o_vllm.config import Budget
 
@@ -67,7 +68,6 @@ class KVStore:
     def write_rank(self, key: str, rank: int, tensors: dict[str, torch.Tensor]) -> int:
         """One rank's tensors, renamed into place once whole (a reader never sees half a
         file); returns the bytes written."""
-        from safetensors.torch import save_file
         path = self.rank_path(key, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.partial")
@@ -76,7 +76,6 @@ class KVStore:
         return path.stat().st_size
 
     def read_rank(self, key: str, rank: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
         return load_file(str(self.rank_path(key, rank)))
 
     def commit(self, key: str, prompt: StoredPrompt) -> None:

@@ -22,7 +22,7 @@ NIXL_INSTALL = "pip install 'h2o-vllm[nixl]'"
 def nixl_missing() -> str | None:
     """Why NIXL cannot run here (its package does not import), or None."""
     try:
-        from nixl._api import nixl_agent  # noqa: F401
+        from nixl._api import nixl_agent  # noqa: F401  (optional: the nixl extra; probed here)
     except Exception as e:  # ImportError, or a native library that does not load
         return f"{type(e).__name__}: {e}"
     return None

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import msgspec
 from vllm.utils.math_utils import cdiv
 
 from h2o_vllm import metrics
@@ -85,7 +86,6 @@ class TransferScheduler:
         if (stored is None or stored.prompt_len != len(ids)
                 or (not params.ignore_eos and stored.first_token in params.all_stop_token_ids)):
             return request
-        import msgspec
         continued = params.clone()
         continued.max_tokens -= 1
         continued.min_tokens = max(0, continued.min_tokens - 1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from vllm.v1.request import RequestStatus
+
 from h2o_vllm import metrics
 from h2o_vllm.policy import draft_step_limit, prefill_step_limit, step_compacts
 
@@ -77,7 +79,6 @@ def _padded(request, known: int, num_tokens: int) -> bool:
     but the last token) runs ``1 + k`` rows under speculative decoding, the last ``k`` drafts
     of -1 that are always rejected (so that a decode batch keeps one shape for CUDA graphs).
     A request being admitted has no drafts of its own."""
-    from vllm.v1.request import RequestStatus
     return num_tokens > known and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -128,7 +129,6 @@ def admission_watermark(managers: Sequence[H2OManager], whole_groups: Sequence, 
     drafter's (``H2OManager.whole_group_headroom``). ``step_end``: the tokens the request
     will hold once this allocation's step has run; ``lookahead``: the slots vLLM allocates
     past every step for drafts."""
-    from vllm.v1.request import RequestStatus
     if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or not managers:
         return base
     headroom = sum(m.admission_headroom(request, num_new_tokens, max_model_len, lookahead) for m in managers)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 
+from vllm.v1.request import RequestStatus
+
 from h2o_vllm.kv_transfer.connector import H2OConnector
 from h2o_vllm.prefix_orders import ATTRIBUTE
 from h2o_vllm.scheduler import prefix_hits, scheduling
@@ -110,7 +112,6 @@ def _update_from_output_wrapper(original):
 
 
 def _allocate_slots_wrapper(original):
-    from vllm.v1.request import RequestStatus
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):
         managers = h2o_managers(self)

@@ -53,6 +53,12 @@ import os
 import sys
 from types import ModuleType
 
+import numpy as np
+import torch
+from vllm.platforms import current_platform
+from vllm.triton_utils.importing import TritonPlaceholder
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
 from h2o_vllm.config import TRITON_ON_CPU_SWITCH, triton_on_cpu_enabled
 from h2o_vllm.vllm_hooks.wrapping import _wrap
 
@@ -88,9 +94,7 @@ def install() -> None:
     """Idempotent; a no-op unless the switch is set."""
     if not enabled():
         return
-    from vllm.platforms import current_platform
-
-    import triton
+    import triton  # Triton: only under the switch, once it is set
     check_switch(current_platform.is_cuda(), bool(triton.knobs.runtime.interpret))
     if v2_requested():
         _hand_out_real_triton()
@@ -102,7 +106,6 @@ def install() -> None:
     _wrap("vllm.platforms.cpu:CpuPlatform.check_and_update_config", _keep_async_scheduling)
     _wrap("triton.runtime.interpreter:InterpreterBuilder.create_splat", _keep_splat_boolean)
     _wrap("triton.runtime.interpreter:_patch_lang", _patch_lang_once_per_launch)
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
 
 
@@ -116,12 +119,12 @@ def _hand_out_real_triton() -> None:
     """V2 launches Triton kernels of its own everywhere (block tables, inputs, sampler): every
     vLLM module imported from here on gets the real (interpreted) Triton, as on a GPU. Modules
     defined earlier keep the placeholders; the attention op modules are redefined below."""
-    import triton
-    import triton.language as tl
-    import triton.language.extra.libdevice as tldevice
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.language.core import _aggregate as aggregate
+    import triton  # Triton: only under the switch, once it is set
+    import triton.language as tl  # Triton: only under the switch, once it is set
+    import triton.language.extra.libdevice as tldevice  # Triton: only under the switch, once it is set
+    from triton.experimental import gluon  # Triton: only under the switch, once it is set
+    from triton.experimental.gluon import language as gl  # Triton: only under the switch, once it is set
+    from triton.language.core import _aggregate as aggregate  # Triton: only under the switch, once it is set
     utils = importlib.import_module("vllm.triton_utils")
     importing = importlib.import_module("vllm.triton_utils.importing")
     utils.HAS_TRITON = importing.HAS_TRITON = True
@@ -135,7 +138,6 @@ def check_vllm_config(vllm_config) -> None:
     """With the switch on: refuse what the interpreter gets wrong, before the model loads."""
     if not enabled():
         return
-    import torch
     if vllm_config.model_config.dtype == torch.bfloat16:
         raise ValueError(f"{SWITCH}=1 runs the Triton kernels under Triton's interpreter, whose "
                          "bfloat16 arithmetic is wrong: pass --dtype float32 (or float16), or "
@@ -143,13 +145,12 @@ def check_vllm_config(vllm_config) -> None:
 
 
 def _is_placeholder(module: ModuleType) -> bool:
-    from vllm.triton_utils.importing import TritonPlaceholder
     return isinstance(getattr(module, "triton", None), TritonPlaceholder)
 
 
 def import_ops_with_real_triton() -> None:
-    import triton
-    import triton.language as tl
+    import triton  # Triton: only under the switch, once it is set
+    import triton.language as tl  # Triton: only under the switch, once it is set
     utils = importlib.import_module("vllm.triton_utils")
     saved = utils.triton, utils.tl
     utils.triton, utils.tl = triton, tl
@@ -182,7 +183,6 @@ def _rebind_imported_names(old: dict, new: dict) -> None:
 
 def _select_triton_backends(original):
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
         if (enabled() and not attn_selector_config.use_mla and selected_backend
                 in (AttentionBackendEnum.CUSTOM, AttentionBackendEnum.TRITON_ATTN)):
             return selected_backend.get_path()
@@ -202,7 +202,6 @@ def _keep_async_scheduling(original):
 
 def _keep_splat_boolean(original):
     def create_splat(self, ret_ty, arg):
-        import numpy as np
         splat = original(self, ret_ty, arg)
         if arg.data.dtype == np.bool_ and splat.data.dtype != np.bool_:
             splat.data = splat.data.astype(np.bool_)
@@ -212,7 +211,6 @@ def _keep_splat_boolean(original):
 
 def _answer_cpu_capability(original):
     def get_device_capability(device=None):
-        import torch
         if device is not None and torch.device(device).type == "cpu":
             return CPU_DEVICE_CAPABILITY
         return original(device)
@@ -224,7 +222,7 @@ def _patch_lang_once_per_launch(original):
     helper's swap only for language modules not yet swapped in the running launch. (The
     interpreter discards a helper's scope: its swap is never undone, so skipping a repeat of it
     leaves the same attributes in place.)"""
-    import triton.language as tl
+    import triton.language as tl  # Triton: only under the switch, once it is set
 
     swapped: set[int] = set()  # ids of the modules swapped in the running launch; empty between
 

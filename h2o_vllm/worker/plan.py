@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
 from h2o_vllm import metrics
 from h2o_vllm.budgets import RequestBudgets
@@ -203,7 +204,6 @@ def rows_to_truncate(plan: StepPlan, block_size: int) -> list[tuple[int, int, li
 def _counts_once() -> bool:
     """Whether this worker counts per-request events (the first TP and PP rank)."""
     try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
         return get_tp_group().rank_in_group == 0 and get_pp_group().is_first_rank
     except (AssertionError, RuntimeError):  # no distributed state (unit tests)
         return True

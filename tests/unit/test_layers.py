@@ -32,7 +32,11 @@ LAYERS = (
 #: Components named by a list of modules rather than a prefix.
 GROUPS = {"foundation": ("h2o_vllm", "h2o_vllm.config", "h2o_vllm.metrics"),
           "rules": ("h2o_vllm.policy", "h2o_vllm.budgets", "h2o_vllm.prefix_orders")}
-MAX_IMPORTS_IN_FUNCTIONS = 15
+#: Imports inside functions, of any module (today 19: 11 of Triton in the CPU test mode of the
+#: CUDA path, 3 of NIXL, 4 of vLLM and 2 of the package in the plugin's entry point, vLLM's version
+#: read where it is checked), and of the package itself.
+MAX_IMPORTS_IN_FUNCTIONS = 20
+MAX_OWN_IMPORTS_IN_FUNCTIONS = 2
 
 
 def _module_name(path: Path) -> str:
@@ -162,12 +166,35 @@ def test_no_import_cycle():
     assert not _cycles()
 
 
+def _imports_inside_functions(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every import inside a function, of any module."""
+    lines = path.read_text().splitlines()
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child.lineno, lines[child.lineno - 1]))
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
 def test_imports_inside_functions_are_few_and_say_why():
-    inside = [(module, line, text) for module, imports in IMPORTS.items()
-              for _, line, in_function, text in imports if in_function]
-    unexplained = [f"{MODULES[m].relative_to(ROOT)}:{line}" for m, line, text in inside if "#" not in text]
+    """Only the plugin's load order (the version check before anything names vLLM's internals),
+    an optional dependency (NIXL) or Triton's interpreter switch (set before Triton is imported)
+    keep an import inside a function, each saying so on its line. Of the package's own: the two
+    in ``plugin.register``."""
+    inside = [(MODULES[m], line, text) for m in MODULES for line, text in _imports_inside_functions(MODULES[m])]
+    unexplained = [f"{path.relative_to(ROOT)}:{line}" for path, line, text in inside if "#" not in text]
     assert not unexplained, "an import inside a function says why on its line: " + ", ".join(unexplained)
     assert len(inside) <= MAX_IMPORTS_IN_FUNCTIONS
+    ours = [(m, line) for m, imports in IMPORTS.items() for _, line, in_function, _ in imports if in_function]
+    assert len(set(ours)) <= MAX_OWN_IMPORTS_IN_FUNCTIONS
 
 
 @pytest.mark.parametrize("source, expected", [
