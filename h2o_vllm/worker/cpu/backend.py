@@ -6,6 +6,14 @@ With H2O on, rows with several queries (prompts, prefill chunks) are attended by
 attention, whose probabilities also give their scores (``prefill.py``); vLLM's kernel attends
 the decode rows alone, and their scores are recomputed (``scores.py``), a row's queries
 together when its scores are next needed (``deferred.py``).
+
+An fp8 cache is the exception: vLLM's kernel attends every row, the prompt rows included, and
+H2O's torch pass only scores them. vLLM's CPU writer truncates each K/V it stores to e4m3, so
+an attention output that differs from the kernel's in its last bits (torch's and the kernel's
+sums round differently) becomes, wherever the next layer's K/V sits at an e4m3 boundary, a
+whole e4m3 step in that layer's cache, and grows layer by layer (issue 57; docs/semantics.md,
+"FP8 KV cache"). The kernel over the batch as built is what stock vLLM runs, so a request
+nothing is evicted from gets stock vLLM's fp8 cache and tokens.
 """
 from __future__ import annotations
 
@@ -22,6 +30,12 @@ from h2o_vllm.worker.attention_backend import H2OBuilderMixin, H2OImplMixin, ann
 from h2o_vllm.worker.cpu.deferred import DeferredDecode, PendingBook, PendingQueries
 from h2o_vllm.worker.cpu.ops import CPUOps
 from h2o_vllm.worker.step import H2OStep
+
+
+def kernel_attends_every_row(kv_cache_dtype: str) -> bool:
+    """Whether vLLM's kernel attends the prompt rows too (an fp8 cache; see above), H2O's torch
+    pass only scoring them."""
+    return kv_cache_dtype in FP8_KV_CACHE_DTYPES
 
 
 class H2OCPUAttentionBackend(CPUAttentionBackend):
@@ -48,7 +62,8 @@ class H2OCPUAttentionMetadata(CPUAttentionMetadata):
     # None when H2O is off or outside a real step: the impl then behaves as stock vLLM.
     h2o: H2OStep | None = None
     # vLLM's metadata of the decode rows alone, on a step that also has rows with several
-    # queries (else None: vLLM's kernel runs the batch as built, or not at all).
+    # queries (else None: vLLM's kernel runs the batch as built, or not at all; an fp8 cache:
+    # always None, the kernel runs the batch as built).
     decode: CPUAttentionMetadata | None = None
     # Which decode queries wait and which rows' waiting queries are scored (deferred.py);
     # None: every decode query is scored in its own step.
@@ -64,12 +79,16 @@ class H2OCPUMetadataBuilder(H2OBuilderMixin, CPUAttentionMetadataBuilder):
         self.book = PendingBook(self.block_size)
         if self.h2o is not None:
             isa = use_readable_isa(self, layer_names)
-            announce_backend("H2OCPUAttentionBackend", f"vLLM's CPU attention (ISA {isa}) for decode "
-                             "rows, H2O's torch attention and scores for prefill rows", vllm_config)
+            how = (f"vLLM's CPU attention (ISA {isa}) for every row of the fp8 cache, H2O's torch scores"
+                   if kernel_attends_every_row(self.kv_cache_dtype) else
+                   f"vLLM's CPU attention (ISA {isa}) for decode rows, H2O's torch attention and scores "
+                   "for prefill rows")
+            announce_backend("H2OCPUAttentionBackend", how, vllm_config)
 
     def device_fields(self, cm, step: H2OStep) -> dict:
         fields = {"deferred": self.book.decide(step)}
-        if step.decode_rows is not None and step.prefill_rows is not None:
+        if (step.decode_rows is not None and step.prefill_rows is not None
+                and not kernel_attends_every_row(self.kv_cache_dtype)):
             fields["decode"] = self.stock_build(decode_rows_metadata(cm, step.decode_rows, step.decode_tokens))
         return fields
 
@@ -80,6 +99,7 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
         # vLLM's CPU writer stores every fp8 cache it takes as e4m3 (bytes).
         fp8 = self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.ops = CPUOps(torch.float8_e4m3fn if fp8 else None)
+        self.kernel_attends_every_row = kernel_attends_every_row(self.kv_cache_dtype)
         if self.h2o is not None:
             check_fusable(self)
             self.fuses_scores = True
@@ -92,7 +112,8 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
                          output, output_scale, output_block_scale) -> None:
         num_tokens = attn_metadata.num_actual_tokens
         out = output[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
-        if step.prefill_rows is None:  # decode rows only: vLLM's kernel over the batch as built
+        if step.prefill_rows is None or self.kernel_attends_every_row:
+            # vLLM's kernel over the batch as built (decode rows only, or an fp8 cache)
             self.stock_forward(layer, query, kv_cache, attn_metadata, output, output_scale,
                                output_block_scale)
         elif step.decode_rows is not None:
@@ -101,5 +122,6 @@ class H2OCPUImpl(H2OImplMixin, CPUAttentionBackendImpl):
             self.stock_forward(layer, query[tokens], kv_cache, attn_metadata.decode, decode_out,
                                output_scale, output_block_scale)
             out[tokens] = decode_out
-        self.ops.attend(step, query, views, out, scores, self.scale, self.logits_soft_cap, self.sinks,
-                        attn_metadata.deferred, self.pending)
+        prefill_out = None if self.kernel_attends_every_row else out  # None: scores only
+        self.ops.attend(step, query, views, prefill_out, scores, self.scale, self.logits_soft_cap,
+                        self.sinks, attn_metadata.deferred, self.pending)

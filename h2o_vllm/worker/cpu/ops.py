@@ -40,7 +40,7 @@ class CPUOps(StoredKVReads):
         return functools.cache(lambda: decode_index(step.block_table[rows], step.plan.kv_seq_lens[rows],
                                                     block_size, weighted=step.score_scale is not None))
 
-    def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor,
+    def attend(self, step: H2OStep, query: torch.Tensor, views: CacheViews, out: torch.Tensor | None,
                scores: torch.Tensor, scale: float, softcap: float = 0.0,
                sink_logits: torch.Tensor | None = None, deferred: DeferredDecode | None = None,
                pending: PendingQueries | None = None) -> None:
@@ -48,7 +48,8 @@ class CPUOps(StoredKVReads):
         zeroed first), after vLLM's kernel has attended the decode rows alone. Replaces the
         zeroing and ``accumulate`` in ``update_scores_and_compact``. With ``deferred`` (and
         the layer's ``pending``), decode queries wait and rows' waiting queries are scored
-        as it decides. query, out: [>= num_tokens, num_q_heads, head_size]."""
+        as it decides. query, out: [>= num_tokens, num_q_heads, head_size]; out None: the
+        scores alone, vLLM's kernel having attended every row (an fp8 cache, ``backend.py``)."""
         zero_new_slots(step, scores)
         scale *= self.k_scale
         if deferred is not None:
