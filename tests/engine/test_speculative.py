@@ -373,11 +373,6 @@ CUDA_ASYNC = {runner: {"async_scheduling": True, "env": {SWITCH: "1", V2_ENV: fl
               for runner, flag in (("v1", "0"), ("v2", "1"))}
 
 
-@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp"])
-def tiny_speculator(request, tiny_speculator_of):
-    return tiny_speculator_of(request.param)
-
-
 @pytest.fixture(scope="module")
 def tiny_speculator_of(tiny_draft_dir, tiny_llama_dir, tmp_path_factory):
     """(target, speculative config, engine settings) by name: the tiny Llama, or a four-layer
@@ -410,11 +405,13 @@ PREEMPTING = {
 }
 
 
-def _preempted_run(model_dir, speculative_config, engine, size="long"):
+def _preempted_run(model_dir, speculative_config, engine, size="long", aborts_first=False):
     """In a fresh process: the admission headroom off (the process is this test's alone), so
-    the pool overflows and vLLM preempts."""
+    the pool overflows and vLLM preempts. ``aborts_first``: on the same engine, the abort run
+    first (with H2O's admission), its result returned beside (one engine start, not two)."""
     lengths, max_tokens, budget, blocks, max_model_len = PREEMPTING[size]
     with _tiny_ngram(model_dir, speculative_config, blocks, max_model_len, **engine) as llm:
+        aborted = _abort_two_of_four(llm, ABORTED[size]) if aborts_first else None
         from h2o_vllm.scheduler import scheduling  # once the plugin has loaded
         scheduling.admission_watermark = stock_admission
         scheduler = scheduler_of(llm)
@@ -433,13 +430,20 @@ def _preempted_run(model_dir, speculative_config, engine, size="long"):
             placeholders.update((r.request_id, r.num_output_placeholders) for r in scheduler.running)
 
         outputs = run_steps(llm, prompts, greedy(max_tokens, extra_args=budget), on_step=on_step)
-        return (preempted, outputs, free_before,
-                scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+        return (preempted, outputs, free_before, scheduler.kv_cache_manager.block_pool.get_num_free_blocks()), aborted
 
 
-def _check_preempted_run(speculator, size, drafts_in_flight=False):
-    preempted, outputs, free_before, free_after = in_fresh_process(
-        _preempted_run, *speculator, size, env=speculator[2].get("env"))
+@pytest.fixture(scope="module", params=["ngram", "draft_model", "eagle", "mtp"])
+def preempted_and_aborted(request, tiny_speculator_of):
+    """Per speculator, one engine in a fresh process: two of four requests aborted mid-run,
+    then a pool that overflows and preempts."""
+    speculator = tiny_speculator_of(request.param)
+    return in_fresh_process(_preempted_run, *speculator, "long", True, env=speculator[2].get("env"))
+
+
+def _check_preempted_run(speculator, size, drafts_in_flight=False, result=None):
+    preempted, outputs, free_before, free_after = result or in_fresh_process(
+        _preempted_run, *speculator, size, env=speculator[2].get("env"))[0]
     lengths, max_tokens = PREEMPTING[size][:2]
     assert preempted, "the pool was large enough: no preemption happened"
     assert not drafts_in_flight or max(preempted) > 1, f"no preemption with drafts in flight: {preempted}"
@@ -447,38 +451,54 @@ def _check_preempted_run(speculator, size, drafts_in_flight=False):
     assert free_after == free_before
 
 
-def test_preempted_requests_with_drafts_complete_without_leaking(tiny_speculator):
+def test_preempted_requests_with_drafts_complete_without_leaking(preempted_and_aborted):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    _check_preempted_run(tiny_speculator, "long")
+    _check_preempted_run(None, "long", result=preempted_and_aborted[0])
+
+
+@pytest.fixture(scope="module")
+def v2_in_flight(tiny_speculator_of):
+    """Model Runner V2 with async scheduling on the CUDA path (vLLM's CUDA defaults, interpreted),
+    one engine in a fresh process: two of four requests aborted with drafts in flight, then a
+    pool that overflows and preempts."""
+    speculator = tiny_speculator_of("mtp-cuda-v2-async")
+    return in_fresh_process(_preempted_run, *speculator, "short", True, env=speculator[2].get("env"))
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of, runner):
+def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of, runner, request):
     """The same under async scheduling, on the CUDA path: requests are preempted while their
     drafts are unverified (asserted), and the block lists still agree after every step."""
-    _check_preempted_run(tiny_speculator_of(f"mtp-cuda-{runner}-async"), "short", drafts_in_flight=True)
+    result = request.getfixturevalue("v2_in_flight")[0] if runner == "v2" else None
+    _check_preempted_run(tiny_speculator_of(f"mtp-cuda-{runner}-async"), "short", drafts_in_flight=True,
+                         result=result)
 
 
-def _aborted_run(model_dir, speculative_config, engine):
-    with _tiny_ngram(model_dir, speculative_config, **engine) as llm:
-        pool = scheduler_of(llm).kv_cache_manager.block_pool
-        free_before = pool.get_num_free_blocks()
-        prompts = [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]
-        outputs = run_steps(llm, prompts, greedy(40), abort_after=(15, ["1", "3"]),
-                            on_step=lambda: check_block_lists(llm, TINY_H2O, 16, DRAFTS))
-        return outputs, free_before, pool.get_num_free_blocks()
+#: Prompt lengths before the threefold repeat of the abort run, on each size's engine.
+ABORTED = {"long": [20, 30, 40, 25], "short": [10, 16, 12, 14]}
 
 
-@pytest.fixture(params=["ngram", "draft_model", "eagle", "mtp", "mtp-cuda-v2-async"])
-def aborted_speculator(request, tiny_speculator_of):
-    return tiny_speculator_of(request.param)
+def _abort_two_of_four(llm, lengths=ABORTED["long"]):
+    pool = scheduler_of(llm).kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    prompts = [p * 3 for p in random_prompts(lengths, seed=4)]
+    outputs = run_steps(llm, prompts, greedy(40), abort_after=(15, ["1", "3"]),
+                        on_step=lambda: check_block_lists(llm, TINY_H2O, 16, DRAFTS))
+    return outputs, free_before, pool.get_num_free_blocks()
 
 
-def test_aborted_requests_with_drafts_return_their_blocks(aborted_speculator):
-    """Two of four requests aborted mid-run, drafts in flight under async scheduling too: the
-    block lists agree after every step and the pool drains."""
-    outputs, free_before, free_after = in_fresh_process(_aborted_run, *aborted_speculator,
-                                                        env=aborted_speculator[2].get("env"))
+def _check_aborted(outputs, free_before, free_after):
     assert sorted(outputs) == ["0", "2"]
     assert free_after == free_before
+
+
+def test_aborted_requests_with_drafts_return_their_blocks(preempted_and_aborted):
+    """Two of four requests aborted mid-run: the block lists agree after every step and the
+    pool drains."""
+    _check_aborted(*preempted_and_aborted[1])
+
+
+def test_aborted_requests_with_drafts_in_flight_return_their_blocks(v2_in_flight):
+    """The same under async scheduling on the CUDA path (Model Runner V2): drafts in flight."""
+    _check_aborted(*v2_in_flight[1])
