@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from h2o_vllm import metrics
 from h2o_vllm.config import H2OConfig
-from h2o_vllm.kv_transfer.store import StoredPrompt
+from h2o_vllm.kv_transfer.orders import KVFetch, KVMove, NixlPeer, TransferOrders, TransferReport
 from h2o_vllm.kv_transfer.packed_state import packed_nbytes
 from h2o_vllm.kv_transfer.staging import Staging
+from h2o_vllm.kv_transfer.store import StoredPrompt
 from h2o_vllm.kv_transfer.transfer_scheduler import PENDING, TransferScheduler, WholeGroup
-from h2o_vllm.kv_transfer.orders import KVFetch, KVMove, NixlPeer, TransferOrders, TransferReport
 
 logger = logging.getLogger("vllm.h2o_vllm")
 

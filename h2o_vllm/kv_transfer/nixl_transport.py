@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_vllm.kv_transfer.packed_state import SEAL, pack, seal, unpack
 from h2o_vllm.kv_transfer.orders import KVFetch, KVMove, NixlPeer, TransferReport
+from h2o_vllm.kv_transfer.packed_state import SEAL, pack, seal, unpack
 
 READ_MARK = b"h2o-read:"
 

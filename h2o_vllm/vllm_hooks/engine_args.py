@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import functools
 
-from h2o_vllm.vllm_shims.symbols import _require
-from h2o_vllm.vllm_hooks.wrapping import _MARK, _wrap
-from h2o_vllm.frontend import flags
-from h2o_vllm.frontend import settings
+from h2o_vllm.frontend import flags, settings
 from h2o_vllm.vllm_hooks import triton_on_cpu
+from h2o_vllm.vllm_hooks.wrapping import _MARK, _wrap
+from h2o_vllm.vllm_shims.symbols import _require
 
 
 def install_engine_args_hook() -> None:

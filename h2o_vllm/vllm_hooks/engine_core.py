@@ -10,12 +10,12 @@ import os
 
 from vllm.v1.request import RequestStatus
 
+from h2o_vllm import metrics
 from h2o_vllm.kv_transfer.connector import H2OConnector
 from h2o_vllm.prefix_orders import ATTRIBUTE
 from h2o_vllm.scheduler import prefix_hits, scheduling
 from h2o_vllm.scheduler.manager import h2o_managers, whole_managers
 from h2o_vllm.vllm_hooks.wrapping import _h2o_of, _wrap
-from h2o_vllm import metrics
 
 
 def install_scheduler_hook() -> None:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from h2o_vllm.vllm_shims.symbols import logger
-from h2o_vllm.vllm_hooks.wrapping import _h2o_of
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.kv_transfer.connector import transfer_orders
 from h2o_vllm.prefix_orders import ATTRIBUTE
 from h2o_vllm.spec import h2o_specs, is_h2o_spec
+from h2o_vllm.vllm_hooks.wrapping import _h2o_of
+from h2o_vllm.vllm_shims.symbols import logger
 from h2o_vllm.worker.attention_backend import H2OBuilderMixin
 from h2o_vllm.worker.plan import record_compactions
 from h2o_vllm.worker.runner_state import RunnerState
