@@ -177,11 +177,11 @@ class H2OStorageConnector(H2OConnector):
         return TransferScheduler(self.store, config, **common)
 
     def _write(self, move: KVMove, tensors: dict[str, torch.Tensor]) -> int:
-        return self.store.write_rank(move.key, _rank(), tensors)
+        return self.store.write_rank(move.key, tp_rank(), tensors)
 
     def _read(self, move: KVMove) -> dict[str, torch.Tensor]:
-        return self.store.read_rank(move.key, _rank())
+        return self.store.read_rank(move.key, tp_rank())
 
 
-def _rank() -> int:
+def tp_rank() -> int:
     return get_tensor_model_parallel_rank()
