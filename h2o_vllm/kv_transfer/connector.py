@@ -177,11 +177,7 @@ class H2OStorageConnector(H2OConnector):
         return TransferScheduler(self.store, config, **common)
 
     def _write(self, move: KVMove, tensors: dict[str, torch.Tensor]) -> int:
-        return self.store.write_rank(move.key, tp_rank(), tensors)
+        return self.store.write_rank(move.key, get_tensor_model_parallel_rank(), tensors)
 
     def _read(self, move: KVMove) -> dict[str, torch.Tensor]:
-        return self.store.read_rank(move.key, tp_rank())
-
-
-def tp_rank() -> int:
-    return get_tensor_model_parallel_rank()
+        return self.store.read_rank(move.key, get_tensor_model_parallel_rank())

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata, KVConnectorRole,
                                                                KVConnectorWorkerMetadata)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-from h2o_vllm.kv_transfer.connector import H2OConnector, tp_rank
+from h2o_vllm.kv_transfer.connector import H2OConnector
 from h2o_vllm.kv_transfer.nixl_scheduler import NixlTransferScheduler, StateShape
 from h2o_vllm.kv_transfer.nixl_transport import NixlTransport, StateLayout
 from h2o_vllm.kv_transfer.orders import KVMove, NixlPeer, TransferReport
@@ -88,7 +89,7 @@ class H2ONixlConnector(H2OConnector):
             whole.append((name, group, tuple(cache.shape[1:]), cache.dtype))
         self.layout = StateLayout(tuple(layer[0] for layer in layers), kv_heads, head_size, views.keys.dtype,
                                   tuple(whole))
-        rank = tp_rank()
+        rank = get_tensor_model_parallel_rank()
         name = f"h2o-{self._kv_transfer_config.engine_id}-dp{self._vllm_config.parallel_config.data_parallel_index}-tp{rank}"
         timeout = float(self._kv_transfer_config.get_from_extra_config(TIMEOUT_S, TIMEOUT_S_DEFAULT))
         self.nixl = NixlTransport(name, self._staging_bytes(), rank, timeout)

@@ -437,13 +437,16 @@ def _preempted_run(model_dir, speculative_config, engine, size="long", aborts_fi
 def preempted_and_aborted(request, tiny_speculator_of):
     """Per speculator, one engine in a fresh process: two of four requests aborted mid-run,
     then a pool that overflows and preempts."""
-    speculator = tiny_speculator_of(request.param)
-    return in_fresh_process(_preempted_run, *speculator, "long", True, env=speculator[2].get("env"))
+    return _preempted_in_fresh_process(tiny_speculator_of(request.param), "long", aborts_first=True)
 
 
-def _check_preempted_run(speculator, size, drafts_in_flight=False, result=None):
-    preempted, outputs, free_before, free_after = result or in_fresh_process(
-        _preempted_run, *speculator, size, env=speculator[2].get("env"))[0]
+def _preempted_in_fresh_process(speculator, size, aborts_first=False):
+    """``_preempted_run`` in a fresh process started with the speculator's environment."""
+    return in_fresh_process(_preempted_run, *speculator, size, aborts_first, env=speculator[2].get("env"))
+
+
+def _check_preempted_run(preemption, size, drafts_in_flight=False):
+    preempted, outputs, free_before, free_after = preemption
     lengths, max_tokens = PREEMPTING[size][:2]
     assert preempted, "the pool was large enough: no preemption happened"
     assert not drafts_in_flight or max(preempted) > 1, f"no preemption with drafts in flight: {preempted}"
@@ -454,7 +457,7 @@ def _check_preempted_run(speculator, size, drafts_in_flight=False, result=None):
 def test_preempted_requests_with_drafts_complete_without_leaking(preempted_and_aborted):
     """vLLM's preemption (free everything, recompute later) under speculation: every request
     completes, block lists agree after every step, the pool drains."""
-    _check_preempted_run(None, "long", result=preempted_and_aborted[0])
+    _check_preempted_run(preempted_and_aborted[0], "long")
 
 
 @pytest.fixture(scope="module")
@@ -462,17 +465,16 @@ def v2_in_flight(tiny_speculator_of):
     """Model Runner V2 with async scheduling on the CUDA path (vLLM's CUDA defaults, interpreted),
     one engine in a fresh process: two of four requests aborted with drafts in flight, then a
     pool that overflows and preempts."""
-    speculator = tiny_speculator_of("mtp-cuda-v2-async")
-    return in_fresh_process(_preempted_run, *speculator, "short", True, env=speculator[2].get("env"))
+    return _preempted_in_fresh_process(tiny_speculator_of("mtp-cuda-v2-async"), "short", aborts_first=True)
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_requests_preempted_with_drafts_in_flight_complete_without_leaking(tiny_speculator_of, runner, request):
     """The same under async scheduling, on the CUDA path: requests are preempted while their
     drafts are unverified (asserted), and the block lists still agree after every step."""
-    result = request.getfixturevalue("v2_in_flight")[0] if runner == "v2" else None
-    _check_preempted_run(tiny_speculator_of(f"mtp-cuda-{runner}-async"), "short", drafts_in_flight=True,
-                         result=result)
+    runs = (request.getfixturevalue("v2_in_flight") if runner == "v2"
+            else _preempted_in_fresh_process(tiny_speculator_of("mtp-cuda-v1-async"), "short"))
+    _check_preempted_run(runs[0], "short", drafts_in_flight=True)
 
 
 #: Prompt lengths before the threefold repeat of the abort run, on each size's engine.
