@@ -25,7 +25,6 @@ in eager mode. The ratio reported is the issue's: (H2O's time - vLLM's attention
     python benchmarks/traffic_model.py                          # H200, the H200 run's shapes
     python benchmarks/traffic_model.py --device h100 --rows 32 --kv-len 4096
 """
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -156,7 +155,7 @@ def attention_programs(s: Shape) -> int:
 
 def vllm(s: Shape) -> list[Launch]:
     base = dict(read=kv_bytes(s, s.kv_len) + q_bytes(s) + table_bytes(s), flops=attention_flops(s),
-                l2=attention_l2(s))
+                l2=attention_l2(s) if s.q_len > 1 else 0.0)
     if not uses_3d(s):
         return [Launch("vllm 2D attention", attention_programs(s), write=q_bytes(s), **base)]
     part = s.rows * s.q_heads * VLLM_SEGMENTS * (s.head * 4 + 8)  # fp32 partial out, max, sum
