@@ -203,7 +203,9 @@ def today_compaction(s: Shape) -> list[Launch]:
     sel = rows * s.kv_heads * heavy
     moved = rows * s.kv_heads * moved_ordered(s)
     for _ in range(s.due_groups):
-        t = lambda name, r, w, k=1: Launch(name, rows * s.kv_heads, r, w, host="torch", kernels=k)  # noqa: E731
+        # A torch kernel's grid covers its tensor (fills the GPU); a sort runs per (row, head).
+        t = lambda name, r, w, k=1: Launch(name, 1 << 20 if k == 1 else rows * s.kv_heads, r, w,  # noqa: E731
+                                           host="torch", kernels=k)
         out += [t("torch index (gather scores)", live + rows * s.kv_len * 8, live),
                 t("torch arange (recent)", 0, recent * 8), t("torch flip", cand * 4, cand * 4),
                 t("torch sort (scores)", cand * 4, cand * 12, 3), t("torch rsub", sel * 8, sel * 8),
