@@ -346,7 +346,8 @@ def plot(results: list[dict], path: Path) -> None:
                 ax.barh(i, x[f"{mode}_us"], left=left, color=plt.cm.tab20(j % 20), edgecolor="k",
                         linewidth=0.3)
                 left += x[f"{mode}_us"]
-        ax.set_yticks(range(len(sides)), [f"{s} ({'eager' if s == 'today' else 'graph'})"
+        prompt = r["shape"]["q_len"] > 1
+        ax.set_yticks(range(len(sides)), [f"{s} ({'eager' if s == 'today' or prompt else 'graph'})"
                                            for s in sides], fontsize=7)
         ax.set_title(r["case"], fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
