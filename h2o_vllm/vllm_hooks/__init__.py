@@ -17,7 +17,7 @@ block pool, preemption count).
   Why: vLLM 0.32's V1 runner gives attention builders no request identity or prompt length,
   and a block-table row only grows. The hook reads the batch and passes it to
   ``worker.plan.plan_batch`` (per row: the request's ``Budget``, KV-space lengths); the plan
-  reaches the builders through ``worker.attention_backend.building`` (``H2OBuilderMixin.plan``) and the
+  reaches the builders for the extent of the one build (``worker.building``) and the
   layers through the attention metadata; the hook truncates the rows
   ``worker.plan.rows_to_truncate`` names, in step with ``H2OManager`` freeing their tail blocks
   at the next schedule. Per-runner state (budgets, orders, rewrites) is one
@@ -30,9 +30,9 @@ block pool, preemption count).
   ``GPUModelRunner.update_requests`` (new requests' budgets, resolved once from their sampling
   params as on V1; prefix-cache orders; rows that compacted into fresh blocks rewritten
   with ``BlockTables.block_tables[g].stage_write`` and ``num_blocks``), ``prepare_attn`` (the
-  step plan from the ``InputBatch`` and ``RequestState.prompt_len``, armed for the builders;
+  step plan from the ``InputBatch`` and ``RequestState.prompt_len``, held for that batch;
   compacted rows' ``BlockTables.num_blocks`` cut) and ``get_kv_cache_spec``, and
-  ``DefaultModelState.prepare_attn`` (the builders run with the armed plan current).
+  ``DefaultModelState.prepare_attn`` (the builders build with the plan held for that batch).
   Why and upstream: as for V1. Remove with the V1 hook.
 - ``install_runner_hook`` also wraps ``GPUModelRunner.get_kv_cache_spec``.
   Why: ``AttentionBackend.customize_spec`` is a classmethod without the config, so it cannot

@@ -9,8 +9,8 @@ step is written here once:
    the ``RunnerState``.
 2. ``RunnerState.plan``: the batch's ``StepPlan``.
 3. The plan reaches the metadata builders for the one build of this batch
-   (``worker.attention_backend.building``); they turn it into the ``H2OStep`` every layer reads from its
-   attention metadata.
+   (``worker.building``: for the extent of that build, nothing kept on the builders); they turn
+   it into the ``H2OStep`` every layer reads from its attention metadata.
 4. ``finish_step``: compacted rows truncated, compactions counted.
 
 The ``RunnerState`` is the runner's one piece of H2O state (attribute ``h2o_state``, made on
@@ -26,7 +26,6 @@ from h2o_vllm.prefix_orders import ATTRIBUTE
 from h2o_vllm.spec import h2o_specs, is_h2o_spec
 from h2o_vllm.vllm_hooks.wrapping import _h2o_of
 from h2o_vllm.vllm_shims.symbols import logger
-from h2o_vllm.worker.attention_backend import H2OBuilderMixin
 from h2o_vllm.worker.plan import record_compactions
 from h2o_vllm.worker.runner_state import RunnerState
 
@@ -42,31 +41,20 @@ def runner_state(runner):
     state = runner.__dict__.get(STATE_ATTRIBUTE)
     if state is None:
         groups = _h2o_groups(runner)
-        sizes = {size for _, size in groups}
+        sizes = {g.kv_cache_spec.block_size for _, g in groups}
         if len(sizes) != 1:  # one block size: the default interval
             raise RuntimeError(f"h2o-vllm expects one H2O KV-cache block size, found {sorted(sizes)}")
-        state = RunnerState(budgets=RequestBudgets(config, sizes.pop()), groups=tuple(groups))
+        state = RunnerState(budgets=RequestBudgets(config, sizes.pop()),
+                            groups=tuple((i, g.kv_cache_spec.block_size) for i, g in groups),
+                            layer_groups={name: i for i, g in groups for name in g.layer_names})
         setattr(runner, STATE_ATTRIBUTE, state)
     return state
 
 
-def _h2o_groups(runner) -> list[tuple[int, int]]:
-    """(KV-cache group id, block size) of each H2O group of the runner."""
-    return [(i, g.kv_cache_spec.block_size) for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
+def _h2o_groups(runner) -> list:
+    """(KV-cache group id, vLLM's KVCacheGroupSpec) of each H2O group of the runner."""
+    return [(i, g) for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
             if is_h2o_spec(g.kv_cache_spec)]
-
-
-def h2o_builders(attn_groups) -> list:
-    """The H2O metadata builders among a runner's attention groups (one per group and
-    micro-batch; a hybrid model's sliding-window groups included: they ignore the plan)."""
-    builders = []
-    for groups in attn_groups:
-        for group in groups:
-            for builder in group.metadata_builders:
-                if isinstance(builder, H2OBuilderMixin):
-                    builder.kv_cache_group_id = group.kv_cache_group_id  # whose orders it builds
-                    builders.append(builder)
-    return builders
 
 
 def void_request_ids(scheduler_output) -> set[str]:

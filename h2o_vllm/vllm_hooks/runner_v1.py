@@ -11,10 +11,9 @@ import copy
 
 import torch
 
-from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
-                                       h2o_builders, runner_state)
+from h2o_vllm.vllm_hooks.runner import _get_kv_cache_spec_wrapper, begin_step, finish_step, runner_state
 from h2o_vllm.vllm_hooks.wrapping import _wrap
-from h2o_vllm.worker.attention_backend import building
+from h2o_vllm.worker.building import building
 from h2o_vllm.worker.runner_state import BatchRows
 
 
@@ -45,7 +44,7 @@ def _build_attention_metadata_wrapper(original):
             return original(self, *args, **kwargs)
         plan = state.plan(_batch_rows(self, kwargs["num_reqs"] if "num_reqs" in kwargs else args[1],
                                       scheduled))
-        with building(h2o_builders(self.attn_groups), plan):
+        with building(plan, state.layer_groups):
             attn_metadata, drafter_cm = original(self, *args, **kwargs)
         finish_step(state, plan, lambda *row: _truncate_row(self, *row))
         return attn_metadata, _drafters_own_group(self, drafter_cm, kwargs.get("slot_mappings"))

@@ -9,21 +9,20 @@ slot, a block count per KV-cache group and slot); a batch row maps to its slot t
 - ``update_requests``: ``begin_step`` (new requests' budgets resolved, as on V1); rewritten rows are staged, so they land with the step's
   other block-table writes, before vLLM appends the step's new blocks after them.
 - ``prepare_attn`` (the runner's: block tables and slot mappings gathered for the step): the
-  step's plan is made from the ``InputBatch`` and armed on the builders (``worker.attention_backend.arm``);
+  step's plan is made from the ``InputBatch`` and held for that batch (``worker.building.hold``);
   ``finish_step`` cuts the compacted rows' block counts (the gathered tables this step reads
   are copies, so the step still reads every block).
 - ``DefaultModelState.prepare_attn`` (builds the step's attention metadata): the builders build
-  with the plan armed for this very batch (``worker.attention_backend.take_armed``), as V1's do in
+  with the plan held for this very batch (``worker.building.building_held``), as V1's do in
   ``_build_attention_metadata``.
 """
 from __future__ import annotations
 
 import torch
 
-from h2o_vllm.vllm_hooks.runner import (_get_kv_cache_spec_wrapper, begin_step, finish_step,
-                                       h2o_builders, runner_state)
+from h2o_vllm.vllm_hooks.runner import _get_kv_cache_spec_wrapper, begin_step, finish_step, runner_state
 from h2o_vllm.vllm_hooks.wrapping import _wrap
-from h2o_vllm.worker.attention_backend import arm, building, take_armed
+from h2o_vllm.worker.building import building_held, hold
 from h2o_vllm.worker.runner_state import BatchRows
 
 
@@ -50,7 +49,7 @@ def _prepare_attn_wrapper(original):
         state = runner_state(self)
         if state is not None:
             plan = state.plan(_batch_rows(self, input_batch))
-            arm(h2o_builders(self.attn_groups), input_batch, plan)
+            hold(input_batch, plan, state.layer_groups)
             finish_step(state, plan, lambda *row: _truncate_row(self, input_batch, *row))
         return result
     return prepare_attn
@@ -59,9 +58,7 @@ def _prepare_attn_wrapper(original):
 def _model_state_prepare_attn_wrapper(original):
     def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
                      *args, **kwargs):
-        builders = h2o_builders(attn_groups)
-        plan = take_armed(builders, input_batch)  # None on dummy, profiling and capture runs
-        with building(builders, plan):
+        with building_held(input_batch):  # no plan on dummy, profiling and capture runs
             return original(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
                             attn_groups, *args, **kwargs)
     return prepare_attn

@@ -8,9 +8,7 @@ K/V itself (same slots, same kernel).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
 
 import torch
 from vllm.config import get_current_vllm_config
@@ -20,7 +18,7 @@ from vllm.v1.attention.backend import AttentionType
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
 from h2o_vllm.spec import is_h2o_spec
-from h2o_vllm.worker.plan import StepPlan
+from h2o_vllm.worker.building import plan_for
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
 
@@ -63,20 +61,11 @@ def check_fusable(impl) -> None:
 
 
 class H2OBuilderMixin:
-    """``build``: the plan's KV-space seq_lens and slot_mapping go to vLLM's builder, and the
-    step's ``H2OStep`` rides on the metadata every layer receives."""
+    """``build``: the plan of the build in progress (``worker.building``) gives vLLM's builder
+    its KV-space seq_lens and slot_mapping, and the step's ``H2OStep`` rides on the metadata
+    every layer receives."""
     ops: DeviceOps
     metadata_cls: type
-    #: The plan of the batch being built, handed over by the runner hook for that one build
-    #: (``building``); None in dummy, profiling and capture builds.
-    plan: StepPlan | None = None
-    #: Model Runner V2 makes a batch's plan in one call and builds its metadata in the next:
-    #: (batch, plan) in between (``arm``, ``take_armed``).
-    armed: tuple[object, StepPlan] | None = None
-    #: The builder's KV-cache group (``vllm_hooks.runner.h2o_builders``): the prefix-cache
-    #: orders it builds with are that group's (``StepPlan.for_group``).
-    kv_cache_group_id: int = 0
-
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # A hybrid model's sliding-window groups and a drafter's layers keep vLLM's own
@@ -85,7 +74,7 @@ class H2OBuilderMixin:
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
-        plan = self.plan.for_group(self.kv_cache_group_id) if self.h2o is not None and self.plan else None
+        plan = plan_for(self.layer_names) if self.h2o is not None else None
         if plan is not None:
             cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops)
         metadata = super().build(common_prefix_len, cm, fast_build)
@@ -99,35 +88,6 @@ class H2OBuilderMixin:
     def stock_build(self, cm):
         """vLLM's own builder over ``cm`` (no H2O step)."""
         return super().build(0, cm)
-
-
-@contextlib.contextmanager
-def building(builders: Sequence[H2OBuilderMixin], plan: StepPlan | None) -> Iterator[None]:
-    """The builders build with ``plan`` inside the block, and without one after."""
-    for builder in builders:
-        builder.plan = plan
-    try:
-        yield
-    finally:
-        for builder in builders:
-            builder.plan = None
-
-
-def arm(builders: Sequence[H2OBuilderMixin], batch: object, plan: StepPlan) -> None:
-    """Keep ``plan`` on the builders until they build ``batch``'s metadata (Model Runner V2)."""
-    for builder in builders:
-        builder.armed = (batch, plan)
-
-
-def take_armed(builders: Sequence[H2OBuilderMixin], batch: object) -> StepPlan | None:
-    """The plan armed for this very ``batch``, once; None for any other (dummy, profiling and
-    capture runs build metadata for batches of their own)."""
-    plan = None
-    for builder in builders:
-        if builder.armed is not None and builder.armed[0] is batch:
-            plan = builder.armed[1]
-            builder.armed = None
-    return plan
 
 
 class H2OImplMixin:

@@ -34,6 +34,8 @@ class RunnerState:
     budgets: RequestBudgets
     #: (KV-cache group id, block size) of each H2O KV-cache group of the runner.
     groups: tuple[tuple[int, int], ...]
+    #: Layer name -> KV-cache group id, for the H2O groups' layers (``worker.building``).
+    layer_groups: Mapping[str, int] = field(default_factory=dict)
     #: This step's prefix-cache orders (the scheduler's), by KV-cache group; None without any.
     orders: Mapping[int, PrefixOrders] | None = None
     #: Requests whose KV cache is gone or rebuilt as of this step (``StepPlan.void_ids``).

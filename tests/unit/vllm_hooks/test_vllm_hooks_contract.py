@@ -277,14 +277,14 @@ def test_input_batch_rows_expose_what_the_runner_hook_reads():
 
 def test_v2_runner_calls_the_hooked_methods_in_the_order_the_hook_needs():
     """execute_model: requests added and updated (budgets, rewrites), then the runner's
-    prepare_attn (the plan armed), then the model state's (the builders, with the plan)."""
+    prepare_attn (the plan made and held), then the model state's (the builders, with the plan)."""
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     source = inspect.getsource(GPUModelRunner.execute_model)
     order = [source.index(call) for call in (
         "self.update_requests(scheduler_output)",
         "self.prepare_attn(input_batch)", "self.model_state.prepare_attn(")]
     assert order == sorted(order)
-    assert "self.prepare_dummy_attn(" in source  # dummy runs arm no plan
+    assert "self.prepare_dummy_attn(" in source  # dummy runs hold no plan
 
 
 def test_v2_state_exposes_what_the_runner_v2_hook_reads():
