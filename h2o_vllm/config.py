@@ -48,8 +48,6 @@ class H2OConfig:
       validated by its class, kept in ``scoring`` and read as an attribute (None where unset).
     - ``sink_tokens``: the first ``sink_tokens`` logical tokens are always kept, in addition to
       heavy + recent (StreamingLLM's attention sinks).
-    - ``obs_window``: prompt tokens are scored only by the prompt's last ``obs_window`` queries
-      (SnapKV's observation window); later queries all count.
     - ``min_tokens``: a floor on the cache size: when sinks + heavy + recent is smaller, the
       recent window grows to make up ``min_tokens`` (short prompts under a ratio budget).
       Unset, it is ``DEFAULT_MIN_TOKENS`` for a budget with a positive ratio part and 0 for a

@@ -184,7 +184,7 @@ def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     weights = weights.to(torch.float32)
     scale = torch.ones(query_lens.shape[0]) if scale is None else scale.to(torch.float32)
     if bool((weights == 1).all()) and bool((scale == 1).all()):
-        return None, None  # e.g. an obs_window row past its prompt: paper arithmetic
+        return None, None  # e.g. a row whose modes weigh prompt queries only, past its prompt
     return weights, scale
 
 
