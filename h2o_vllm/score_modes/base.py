@@ -53,6 +53,8 @@ class ScoreMode:
     number: ClassVar[type] = int
     #: The value that changes nothing; in a tensor of rows, the value of a row without the mode.
     neutral: ClassVar[Any] = None
+    #: Whether ``rank`` is not the identity (the plan passes only such modes to the compaction).
+    ranks: ClassVar[bool] = False
 
     @classmethod
     def key(cls) -> str:
@@ -84,8 +86,6 @@ class ScoreMode:
         """[..., m] the rank score of each heavy candidate at a sequence's first compaction
         (candidates: live slots between the sinks and the recent window, in order)."""
         return candidates
-
-    ranks: ClassVar[bool] = False  # whether ``rank`` is not the identity
 
     # -- prefix-cache records (scheduler/prefix_hits.py)
 
