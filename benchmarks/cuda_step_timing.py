@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from h2o_vllm import kernels  # noqa: E402
 from h2o_vllm.config import Budget  # noqa: E402
+from h2o_vllm.score_modes import ObsWindow  # noqa: E402
 from h2o_vllm.worker.cuda.ops import TritonOps  # noqa: E402
 from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan  # noqa: E402
 from h2o_vllm.worker.step import make_step, update_scores_and_compact  # noqa: E402
@@ -82,8 +83,8 @@ def case(rows, kv_len, q_len, num_kv_heads, group, head_size, block, due, dtype,
         budget = kv_len - (block if due else block // 2)
         start = max(prompt, budget + block)
         computed = start + (block - 1 if due else block // 2 - 1)
-    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block,
-                      obs_window=obs_window)] * rows
+    scoring = () if obs_window is None else (ObsWindow(obs_window),)
+    budgets = [Budget(heavy=budget // 2, recent=budget - budget // 2, interval=block, scoring=scoring)] * rows
     plan = make_step_plan(t(computed), t(q_len), t(prompt), budgets)
     assert plan.kv_seq_lens.tolist() == [kv_len] * rows and bool(plan.due.all()) == due
     blocks_per_row = -(-kv_len // block)

@@ -1,6 +1,6 @@
 """H2O configuration: parsed and validated from the plain dict in ``additional_config["h2o"]``.
 
-Pure: stdlib only. Every process (API server, engine core, workers) parses the dict itself, so
+Pure: stdlib and ``score_modes`` (whose classes own their keys). Every process (API server, engine core, workers) parses the dict itself, so
 the same rules apply everywhere and an invalid dict fails before any model weight is loaded.
 """
 from __future__ import annotations
@@ -9,6 +9,9 @@ import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from h2o_vllm import score_modes
+from h2o_vllm.score_modes.base import ScoreMode, integer_at_least, number_in_unit_interval
 
 #: The paper's default: 10% heavy hitters + 10% recent tokens ("20% budget").
 DEFAULT_RATIO = 0.1
@@ -19,10 +22,10 @@ DEFAULT_MIN_TOKENS = 32
 
 _RATIO_KEYS = ("heavy_ratio", "recent_ratio")
 _TOKEN_KEYS = ("heavy_tokens", "recent_tokens")
-_COUNT_KEYS = ("interval", "sink_tokens", "obs_window", "min_tokens", "pool_kernel", "prefill_chunk")
+_COUNT_KEYS = ("interval", "sink_tokens", "min_tokens", "prefill_chunk")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class H2OConfig:
     """What H2O keeps per (layer, KV head) of each sequence, and how often it compacts.
 
@@ -41,26 +44,19 @@ class H2OConfig:
 
     Past the paper (docs/score-modes.md; unset, each is the paper's H2O):
 
-    - ``decay`` in (0, 1]: each query first multiplies every live token's score by ``decay``,
-      then adds its probabilities (A2SF's forgetting factor), so attention long past fades.
+    - the score modes (``h2o_vllm.score_modes``, one class each): each is one more key,
+      validated by its class, kept in ``scoring`` and read as an attribute (None where unset).
     - ``sink_tokens``: the first ``sink_tokens`` logical tokens are always kept, in addition to
       heavy + recent (StreamingLLM's attention sinks).
-    - ``obs_window``: prompt tokens are scored only by the prompt's last ``obs_window`` queries
-      (SnapKV's observation window); later queries all count.
     - ``min_tokens``: a floor on the cache size: when sinks + heavy + recent is smaller, the
       recent window grows to make up ``min_tokens`` (short prompts under a ratio budget).
       Unset, it is ``DEFAULT_MIN_TOKENS`` for a budget with a positive ratio part and 0 for a
       budget given in tokens alone (a token count is taken as given); 0 is the paper's rule.
-    - ``pool_kernel`` (odd): at a sequence's first compaction (the one that compresses its
-      prompt), heavy hitters are ranked on their scores max-pooled over the ``pool_kernel``
-      nearest candidates (SnapKV's pooling), so a fact spanning a few tokens is kept whole; the
-      kept tokens keep their own scores, and later compactions rank by score alone.
     - ``prefill_chunk``: the prompt is processed in chunks ending at multiples of
       ``prefill_chunk`` tokens (and at its end), and the cadence applies at the end of each
       chunk as it does after each decode token: a chunk's queries see what earlier chunks
       kept plus the chunk itself, and a sequence's peak is about budget + interval + chunk,
-      not its prompt (docs/semantics.md, "Prefill chunks"). With ``obs_window`` each chunk is
-      scored by its own last ``obs_window`` queries. Unset: the prompt is held whole.
+      not its prompt (docs/semantics.md, "Prefill chunks"). Unset: the prompt is held whole.
     """
 
     heavy_ratio: float | None = None
@@ -68,41 +64,47 @@ class H2OConfig:
     heavy_tokens: int | None = None
     recent_tokens: int | None = None
     interval: int | None = None
-    decay: float | None = None
     sink_tokens: int | None = None
-    obs_window: int | None = None
     min_tokens: int | None = None
-    pool_kernel: int | None = None
     prefill_chunk: int | None = None
+    #: The score modes set, each checked, in ``score_modes.modes()`` order.
+    scoring: tuple[ScoreMode, ...] = ()
 
-    def __post_init__(self) -> None:
+    def __init__(self, **settings: Any) -> None:
+        for f in fields(self)[:-1]:
+            object.__setattr__(self, f.name, settings.pop(f.name, None))
+        modes = score_modes.modes()
+        unexpected = sorted(set(settings) - {mode.key() for mode in modes}, key=repr)
+        if unexpected:
+            raise TypeError(f"H2OConfig got unexpected keyword argument(s) {unexpected}")
+        scoring = []
+        for mode in modes:
+            value = settings.get(mode.key())
+            if value is not None:
+                mode.check(value)
+                scoring.append(mode(value))
+        object.__setattr__(self, "scoring", tuple(scoring))
+        self._check()
+
+    def __getattr__(self, name: str) -> Any:
+        """A score mode's key reads as an attribute: its value, None where unset."""
+        mode = score_modes.by_key().get(name)
+        if mode is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return next((m.value for m in self.__dict__.get("scoring", ()) if isinstance(m, mode)), None)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every key ``additional_config["h2o"]`` accepts: the budget's, then each score mode's."""
+        return [f.name for f in fields(cls)[:-1]] + [mode.key() for mode in score_modes.modes()]
+
+    def _check(self) -> None:
         for key in _RATIO_KEYS:
-            value = getattr(self, key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"h2o.{key} must be a number in [0, 1], got {value!r}")
-            # Range first: a huge int would overflow math.isfinite; NaN fails the range too.
-            if not 0.0 <= value <= 1.0 or not math.isfinite(value):
-                raise ValueError(f"h2o.{key} must be in [0, 1], got {value!r}")
-        decay = self.decay
-        if decay is not None:
-            if isinstance(decay, bool) or not isinstance(decay, (int, float)):
-                raise ValueError(f"h2o.decay must be a number in (0, 1], got {decay!r}")
-            if not 0.0 < decay <= 1.0 or not math.isfinite(decay):
-                raise ValueError(f"h2o.decay must be in (0, 1] (1 is the paper's plain sum), got {decay!r}")
+            if getattr(self, key) is not None:
+                number_in_unit_interval(key, getattr(self, key), low_open=False)
         for key in (*_TOKEN_KEYS, *_COUNT_KEYS):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            low = 1 if key in ("interval", "obs_window", "pool_kernel", "prefill_chunk") else 0
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
-            if value < low:
-                raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
-        if self.pool_kernel is not None and self.pool_kernel % 2 == 0:
-            # An even window has no centre: the pooled score of a token would lean to one side.
-            raise ValueError(f"h2o.pool_kernel must be odd (1 is no pooling), got {self.pool_kernel!r}")
+            if getattr(self, key) is not None:
+                integer_at_least(key, getattr(self, key), 1 if key in ("interval", "prefill_chunk") else 0)
         for part in ("heavy", "recent"):
             if getattr(self, f"{part}_ratio") is not None and getattr(self, f"{part}_tokens") is not None:
                 raise ValueError(
@@ -123,7 +125,7 @@ class H2OConfig:
             data = {}
         if not isinstance(data, Mapping):
             raise ValueError(f"additional_config['h2o'] must be a dict of H2O settings, got {type(data).__name__}")
-        known = [f.name for f in fields(cls)]
+        known = cls.keys()
         unknown = sorted(set(data) - set(known), key=repr)  # keys may be of mixed types
         if unknown:
             raise ValueError(f"unknown h2o key(s) {unknown}; accepted keys: {known}")
@@ -131,7 +133,7 @@ class H2OConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The explicitly set keys, round-trippable through ``from_dict``."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {key: getattr(self, key) for key in self.keys() if getattr(self, key) is not None}
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "H2OConfig":
         """This config with some keys replaced (per-request budgets); a part set one way
@@ -173,9 +175,8 @@ class H2OConfig:
         recent += max(0, self.floor_tokens() - (sink_tokens + heavy + recent))
         return Budget(heavy=heavy, recent=recent,
                       interval=self.interval if self.interval is not None else block_size,
-                      sink_tokens=sink_tokens, decay=1.0 if self.decay is None else float(self.decay),
-                      obs_window=self.obs_window, pool=self.pool_kernel or 1,
-                      prefill_chunk=self.prefill_chunk)
+                      sink_tokens=sink_tokens, prefill_chunk=self.prefill_chunk,
+                      scoring=tuple(m for m in self.scoring if m.value != m.neutral))
 
 
 @dataclass(frozen=True)
@@ -187,10 +188,13 @@ class Budget:
     recent: int
     interval: int
     sink_tokens: int = 0  # the first logical tokens, always kept (attention sinks)
-    decay: float = 1.0              # 1.0: the paper's plain sum
-    obs_window: int | None = None   # None: every prompt query scores
-    pool: int = 1                   # the first compaction ranks on scores max-pooled over this many
     prefill_chunk: int | None = None  # None: the prompt is one chunk, held whole
+    # The score modes that change something, in registry order; none: the paper's scores.
+    scoring: tuple[ScoreMode, ...] = ()
+
+    def mode(self, mode: type[ScoreMode]) -> ScoreMode | None:
+        """This budget's instance of ``mode``, None when it runs without it."""
+        return next((m for m in self.scoring if type(m) is mode), None)
 
     @property
     def tokens(self) -> int:
@@ -202,7 +206,12 @@ class Budget:
 #: under these names; the value is an ``H2OConfig`` key.
 #: The prefix of H2O's per-request keys: every key with it is H2O's (an unknown one is refused).
 REQUEST_PREFIX = "h2o_"
-REQUEST_KEYS = {f"{REQUEST_PREFIX}{f.name}": f.name for f in fields(H2OConfig)}
+def request_keys() -> dict[str, str]:
+    """Each per-request key and the ``H2OConfig`` key it sets, from the registry as it is now."""
+    return {f"{REQUEST_PREFIX}{key}": key for key in H2OConfig.keys()}
+
+
+REQUEST_KEYS = request_keys()
 
 
 _parsed: dict[str, H2OConfig] = {}
@@ -232,7 +241,8 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any]:
     """The H2O keys of one request's ``extra_args`` (``h2o_heavy_ratio`` -> ``heavy_ratio``)."""
     if not extra_args:
         return {}
-    return {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
+    keys = request_keys()
+    return {keys[k]: v for k, v in extra_args.items() if k in keys}
 
 
 def request_config(base: H2OConfig, extra_args: Mapping[str, Any] | None) -> H2OConfig:

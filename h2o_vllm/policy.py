@@ -3,18 +3,20 @@
 Pure: torch and ``config`` only. The scheduler (engine-core process) and the workers evaluate
 ``kv_len_after`` on the same inputs, so they agree on every block count without exchanging a
 message; see docs/semantics.md, "Shared deterministic rule". Every cadence rule (prefill
-chunks, the observation window's scored queries, when compaction fires) is here, once, for ints
-(the scheduler) and for tensors of rows (the worker) alike.
+chunks, when compaction fires) is here, once, for ints (the scheduler) and for tensors of rows
+(the worker) alike; how a score mode weighs queries or ranks tokens is its class's
+(``h2o_vllm.score_modes``).
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from h2o_vllm.config import Budget, H2OConfig
+from h2o_vllm.score_modes import ScoreMode
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
@@ -52,30 +54,6 @@ def chunk_end(position: IntOrTensor, prompt_len: IntOrTensor, chunk) -> IntOrTen
     chunk = prompt_chunk(prompt_len, chunk)
     end = (position // chunk + 1) * chunk
     return torch.minimum(end, prompt_len) if isinstance(end, torch.Tensor) else min(end, prompt_len)
-
-
-def first_scored(position: IntOrTensor, prompt_len: IntOrTensor, chunk, obs_window) -> IntOrTensor:
-    """The first position of the prefill chunk holding prompt ``position`` whose query adds to
-    the scores: the chunk's start, or with an observation window (``obs_window``; in a tensor
-    of rows, a huge value where unset) its last ``obs_window`` queries' first."""
-    size = prompt_chunk(prompt_len, chunk)
-    start = position // size * size
-    if obs_window is None:
-        return start
-    return _maximum(start, chunk_end(position, prompt_len, chunk) - obs_window)
-
-
-def query_counts(position: IntOrTensor, prompt_len: IntOrTensor, chunk, obs_window):
-    """Whether the query at logical ``position`` adds to the scores: every query past the
-    prompt, and a prompt query from its chunk's ``first_scored`` on (docs/semantics.md, "Score")."""
-    past = position >= prompt_len
-    scored = position >= first_scored(position, prompt_len, chunk, obs_window)
-    return past | scored if isinstance(past, torch.Tensor) else past or scored
-
-
-def query_weight(budget: Budget, position: int, prompt_len: int) -> float:
-    """How much the query at ``position`` adds to the scores before decay: 1 or 0."""
-    return 1.0 if query_counts(position, prompt_len, budget.prefill_chunk, budget.obs_window) else 0.0
 
 
 def _boundary_live(k: IntOrTensor, budget_tokens: IntOrTensor, interval: IntOrTensor,
@@ -240,14 +218,15 @@ def engine_peak_blocks(config: H2OConfig, max_model_len: int, block_size: int,
 
 
 def select_keep(scores: torch.Tensor, heavy: int, recent: int, sink_tokens: int = 0,
-                pool: int = 1) -> torch.Tensor:
+                rank: Sequence[ScoreMode] = ()) -> torch.Tensor:
     """Indices of the tokens to keep, per head: the ``sink_tokens`` first ones, the ``recent`` last
     ones, and the ``heavy`` highest-ranked among the rest; ties keep the more recent token;
     ascending order.
 
     scores: [..., n] accumulated attention of the n live tokens (oldest first). The first
     ``sink_tokens`` live tokens are the first logical ones: they are never evicted, and compaction
-    keeps order. ``pool`` (odd): the rest are ranked on ``pooled_scores``, not on their own.
+    keeps order. ``rank``: the score modes that rank this compaction's candidates (each
+    ``ScoreMode.rank`` in turn), none: by their own scores.
     Returns int64 [..., min(n, sink_tokens + heavy + recent)]; the same count per head.
     """
     n = scores.shape[-1]
@@ -261,20 +240,10 @@ def select_keep(scores: torch.Tensor, heavy: int, recent: int, sink_tokens: int 
     recent_idx = torch.arange(num_older, n, device=device).expand(*lead, num_recent)
     if num_heavy == 0:
         return torch.cat([sink_idx, recent_idx], dim=-1).contiguous()
-    candidates = pooled_scores(scores[..., num_sinks:num_older], pool)
+    candidates = scores[..., num_sinks:num_older]
+    for mode in rank:
+        candidates = mode.rank(candidates)
     # Flip so that, among equal scores, the stable sort meets the more recent token first.
     order = torch.sort(candidates.flip(-1), dim=-1, descending=True, stable=True).indices[..., :num_heavy]
     heavy_idx = torch.sort(num_older - 1 - order, dim=-1).values
     return torch.cat([sink_idx, heavy_idx, recent_idx], dim=-1)
-
-
-def pooled_scores(candidates: torch.Tensor, pool: int) -> torch.Tensor:
-    """[..., m] each candidate's rank score: the largest score among the ``pool`` candidates
-    centred on it (fewer at the ends), or its own when ``pool`` is 1. Candidates are live slots
-    in order, so after a compaction the neighbours are the nearest surviving tokens."""
-    if pool == 1:
-        return candidates
-    m = candidates.shape[-1]
-    flat = candidates.reshape(-1, 1, m)
-    # max_pool1d pads with -inf: a window at the edge takes the max of what it covers.
-    return F.max_pool1d(flat, pool, stride=1, padding=pool // 2).view(candidates.shape)

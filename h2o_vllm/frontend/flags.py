@@ -16,24 +16,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
+from h2o_vllm import score_modes
 from h2o_vllm.config import H2OConfig
 
 GROUP_TITLE = "H2O KV eviction"
-#: H2OConfig key -> flag.
-FLAGS = {
-    "heavy_ratio": "--h2o-heavy-ratio",
-    "recent_ratio": "--h2o-recent-ratio",
-    "heavy_tokens": "--h2o-heavy-tokens",
-    "recent_tokens": "--h2o-recent-tokens",
-    "interval": "--h2o-interval",
-    "decay": "--h2o-decay",
-    "sink_tokens": "--h2o-sink-tokens",
-    "obs_window": "--h2o-obs-window",
-    "min_tokens": "--h2o-min-tokens",
-    "pool_kernel": "--h2o-pool-kernel",
-    "prefill_chunk": "--h2o-prefill-chunk",
-}
-_FLOAT_KEYS = ("heavy_ratio", "recent_ratio", "decay")
+#: The help of each budget key's flag; each score mode's comes from its class (``score_modes``).
 _HELP = {
     "heavy_ratio": "Heavy-hitter budget as a fraction of the prompt length, in [0, 1] (default 0.1).",
     "recent_ratio": "Recent-window budget as a fraction of the prompt length, in [0, 1] (default 0.1).",
@@ -41,22 +28,33 @@ _HELP = {
     "recent_tokens": "Recent-window budget in tokens per (layer, KV head); instead of --h2o-recent-ratio.",
     "interval": "Compact each time the cache has grown this many tokens past the budget "
                 "(>= 1; default one KV block; 1 is the paper's per-step eviction).",
-    "decay": "Forgetting factor in (0, 1]: each query scales every score by it before adding its "
-             "attention (A2SF); default 1, the paper's plain sum.",
     "sink_tokens": "Always keep the first INT tokens (attention sinks, StreamingLLM), in addition "
                    "to the heavy and recent budgets; default 0.",
-    "obs_window": "Score the prompt's tokens by its last INT queries only (SnapKV's observation "
-                  "window; >= 1); default: every prompt query.",
     "min_tokens": "Never compact below INT tokens: a smaller budget gets a longer recent window "
                   "(short prompts under a ratio budget); default 32 for a budget with a ratio "
                   "part, 0 for one in tokens; 0 is the paper's rule.",
-    "pool_kernel": "At the prompt's compaction, rank heavy hitters on their scores max-pooled "
-                   "over INT neighbouring tokens (odd; SnapKV's pooling), so a fact spanning a "
-                   "few tokens is kept whole; default 1, no pooling.",
     "prefill_chunk": "Process prompts in chunks of INT tokens and evict between them, so a "
                      "request holds about budget + interval + INT tokens, not its prompt (and "
                      "max-model-len may exceed the KV pool); default: a prompt is held whole.",
 }
+_FLOAT_KEYS = ("heavy_ratio", "recent_ratio")
+
+
+def flags() -> dict[str, str]:
+    """H2OConfig key -> flag, every key (the registry's score modes as they are now)."""
+    return {key: "--h2o-" + key.replace("_", "-") for key in H2OConfig.keys()}
+
+
+def _help(key: str) -> tuple[str, bool]:
+    """(the flag's help, whether it takes a number with a fraction)."""
+    mode = score_modes.by_key().get(key)
+    if mode is None:
+        return _HELP[key], key in _FLOAT_KEYS
+    return mode.help, mode.number is float
+
+
+#: H2OConfig key -> flag, as registered at import.
+FLAGS = flags()
 
 
 #: Set on a parser that has the group: argparse lists its groups only in a private attribute.
@@ -68,7 +66,7 @@ class FlagError(ValueError):
 
 
 def _checked(key: str):
-    number = float if key in _FLOAT_KEYS else int
+    number = float if _help(key)[1] else int
 
     def parse(text: str):
         try:
@@ -93,14 +91,15 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
         title=GROUP_TITLE,
         description="H2O (Heavy-Hitter Oracle) KV-cache eviction from the h2o-vllm plugin. The flags "
                     "fold into --additional-config '{\"h2o\": {...}}'; per request, vllm_xargs "
-                    "h2o_<key> (h2o_heavy_ratio, h2o_interval, h2o_decay, ...) overrides them.")
+                    "h2o_<key> (h2o_heavy_ratio, h2o_interval, h2o_sink_tokens, ...) overrides them.")
     group.add_argument("--kv-eviction", choices=["none", "h2o"], default=None,
                        help="KV-cache eviction policy: 'h2o' keeps heavy hitters plus recent tokens. "
                             "Default: 'h2o' when any --h2o-* flag or an 'h2o' entry of "
                             "--additional-config is given, else 'none'.")
-    for key, flag in FLAGS.items():
+    for key, flag in flags().items():
+        text, fraction = _help(key)
         group.add_argument(flag, dest=f"h2o_{key}", type=_checked(key), default=None,
-                           metavar="FLOAT" if key in _FLOAT_KEYS else "INT", help=_HELP[key])
+                           metavar="FLOAT" if fraction else "INT", help=text)
     setattr(parser, _ADDED, True)
 
 
@@ -114,7 +113,7 @@ def fold(kv_eviction: str | None, values: Mapping[str, Any],
     existing = additional_config.get("h2o") if additional_config else None
     if kv_eviction == "none":
         if given:
-            raise FlagError(f"{FLAGS[next(iter(given))]} needs H2O on, but --kv-eviction is none; "
+            raise FlagError(f"{flags()[next(iter(given))]} needs H2O on, but --kv-eviction is none; "
                             "drop one of them")
         if existing is not None:
             raise FlagError("--kv-eviction none conflicts with the 'h2o' entry of --additional-config; "
@@ -126,20 +125,21 @@ def fold(kv_eviction: str | None, values: Mapping[str, Any],
         raise FlagError(f"--additional-config: 'h2o' must be a dict of H2O settings, got "
                         f"{type(existing).__name__}")
     merged = dict(existing or {})
+    names = flags()
     for key, value in given.items():
         part = key.rpartition("_")[0]
         other = f"{part}_tokens" if key.endswith("_ratio") else f"{part}_ratio"
         if key in merged and merged[key] != value:
-            raise FlagError(f"{FLAGS[key]} {value} conflicts with --additional-config h2o.{key}="
+            raise FlagError(f"{names[key]} {value} conflicts with --additional-config h2o.{key}="
                             f"{merged[key]!r}; give it one way")
         if key in ("heavy_ratio", "recent_ratio", "heavy_tokens", "recent_tokens") and other in merged:
-            raise FlagError(f"{FLAGS[key]} conflicts with --additional-config h2o.{other}: give the "
+            raise FlagError(f"{names[key]} conflicts with --additional-config h2o.{other}: give the "
                             f"{part} budget one way")
         merged[key] = value
     try:
         H2OConfig.from_dict(merged)
     except ValueError as exc:
-        where = ", ".join(FLAGS[key] for key in given) or "--additional-config"
+        where = ", ".join(names[key] for key in given) or "--additional-config"
         raise FlagError(f"{where}: {exc}") from None
     return {**(additional_config or {}), "h2o": merged}
 
@@ -148,7 +148,7 @@ def fold_namespace(args: argparse.Namespace) -> None:
     """Fold parsed H2O flags into ``args.additional_config`` in place (idempotent)."""
     if not hasattr(args, "kv_eviction"):
         return
-    values = {key: getattr(args, f"h2o_{key}", None) for key in FLAGS}
+    values = {key: getattr(args, f"h2o_{key}", None) for key in flags()}
     folded = fold(args.kv_eviction, values, getattr(args, "additional_config", None))
     if folded is not None:
         args.additional_config = folded

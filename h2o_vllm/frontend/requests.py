@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from vllm.exceptions import VLLMValidationError
 
-from h2o_vllm.config import (REQUEST_KEYS, REQUEST_PREFIX, config_from_additional, request_config,
+from h2o_vllm.config import (REQUEST_PREFIX, config_from_additional, request_config, request_keys,
                              request_overrides)
 from h2o_vllm.frontend.conflicts import FULL_LAYERS, SLIDING_LAYERS
 from h2o_vllm.policy import prompt_chunk, request_peak_blocks
@@ -27,17 +27,18 @@ def check_request_overrides(additional_config, extra_args) -> None:
     ``h2o_`` prefix is H2O's: an unknown key with it (a typo such as ``h2o_heavy_tokns``) is
     refused rather than dropped, which would run the engine's budget unannounced; other
     plugins' keys are left alone."""
+    known = request_keys()
     unknown = sorted(k for k in extra_args or () if isinstance(k, str) and k.startswith(REQUEST_PREFIX)
-                     and k not in REQUEST_KEYS)
+                     and k not in known)
     if unknown:
         raise _request_error(f"unknown H2O key {', '.join(unknown)} in extra_args / vllm_xargs (the "
-                             f"{REQUEST_PREFIX} prefix is H2O's); valid keys: {', '.join(sorted(REQUEST_KEYS))}",
+                             f"{REQUEST_PREFIX} prefix is H2O's); valid keys: {', '.join(sorted(known))}",
                              {k: extra_args[k] for k in unknown})
     overrides = request_overrides(extra_args)
     if not overrides:
         return
     config = config_from_additional(additional_config)
-    given = {k: v for k, v in extra_args.items() if k in REQUEST_KEYS}
+    given = {k: v for k, v in extra_args.items() if k in known}
     keys = ", ".join(given)
     if config is None:
         raise _request_error(f"{keys}: H2O KV eviction is off in this engine; start it with --kv-eviction "

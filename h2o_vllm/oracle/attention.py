@@ -12,18 +12,18 @@ from h2o_vllm.oracle.cache import LayerCache
 DEFAULT_QUERY_CHUNK = 256
 
 
-def query_coefficients(num_new: int, decay: float = 1.0,
+def query_coefficients(num_new: int, query_scale: float = 1.0,
                        weights: torch.Tensor | None = None) -> torch.Tensor | None:
     """[num_new] fp32 factor of each query's probabilities in this step's score update, or
-    None for the paper's plain sum (``decay == 1`` and no weights: every factor is 1).
+    None for the paper's plain sum (``query_scale == 1`` and no weights: every factor is 1).
 
-    Queries ``a..b`` run in order, each doing ``s <- decay * s + w_i * p_i``; so query ``i``
-    adds ``decay ** (b - i) * w_i * p_i`` and the scores from before the step are scaled by
-    ``decay ** num_new`` once. Computed in fp64, rounded to fp32 once.
+    Queries ``a..b`` run in order, each doing ``s <- query_scale * s + w_i * p_i``; so query
+    ``i`` adds ``query_scale ** (b - i) * w_i * p_i`` and the scores from before the step are
+    scaled by ``query_scale ** num_new`` once. Computed in fp64, rounded to fp32 once.
     """
-    if decay == 1.0 and weights is None:
+    if query_scale == 1.0 and weights is None:
         return None
-    coef = torch.full((num_new,), float(decay), dtype=torch.float64) ** torch.arange(
+    coef = torch.full((num_new,), float(query_scale), dtype=torch.float64) ** torch.arange(
         num_new - 1, -1, -1, dtype=torch.float64)
     if weights is not None:
         coef = coef * weights.to(torch.float64)
@@ -31,7 +31,7 @@ def query_coefficients(num_new: int, decay: float = 1.0,
 
 
 def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
-                     query_chunk: int = DEFAULT_QUERY_CHUNK, *, decay: float = 1.0,
+                     query_chunk: int = DEFAULT_QUERY_CHUNK, *, query_scale: float = 1.0,
                      weights: torch.Tensor | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this step's queries over ``cache``, adding their probabilities to its scores.
@@ -42,11 +42,12 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
     over the tokens live when it runs; the probabilities, summed over the query heads of each KV
     group, go into ``cache.scores``. Returns [num_new, num_q_heads * head_dim] fp32 outputs.
 
-    Score update, queries taken in order: ``s <- decay * s + weights[i] * p_i`` for each query
-    ``i`` (``Budget.decay``, ``oracle.cache.query_weight``). With ``decay == 1`` and ``weights=None``
-    (the paper's H2O) this is the plain sum and runs no scaling at all; otherwise the scores
-    from before the step are scaled by ``decay ** num_new`` once and query ``i`` adds
-    ``decay ** (num_new - 1 - i) * weights[i] * p_i`` (``query_coefficients``). ``weights``:
+    Score update, queries taken in order: ``s <- query_scale * s + weights[i] * p_i`` for each
+    query ``i`` (the score modes' rules: ``SequenceState.query_scale``, ``oracle.cache.query_weight``).
+    With ``query_scale == 1`` and ``weights=None`` (the paper's H2O) this is the plain sum and
+    runs no scaling at all; otherwise the scores from before the step are scaled by
+    ``query_scale ** num_new`` once and query ``i`` adds
+    ``query_scale ** (num_new - 1 - i) * weights[i] * p_i`` (``query_coefficients``). ``weights``:
     [num_new] (None: all 1). Scores of the step's own new slots start at 0, so scaling them
     is moot.
 
@@ -63,9 +64,9 @@ def attend_and_score(queries: torch.Tensor, cache: LayerCache, scaling: float,
     # q: [num_kv_heads, group, num_new, head_dim]; query heads of one KV group are adjacent (HF order).
     q = queries.reshape(num_kv_heads, group, num_new, head_dim)
     keys, values, scores = cache.keys, cache.values, cache.scores
-    coef = query_coefficients(num_new, decay, weights)
-    if decay != 1.0 and num_old:
-        scores[:, :num_old] *= float(decay) ** num_new
+    coef = query_coefficients(num_new, query_scale, weights)
+    if query_scale != 1.0 and num_old:
+        scores[:, :num_old] *= float(query_scale) ** num_new
     outputs = []
     for start in range(0, num_new, query_chunk):
         end = min(start + query_chunk, num_new)

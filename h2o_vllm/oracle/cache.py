@@ -5,11 +5,14 @@ Runs in the caller's process (tests, benchmarks); no vLLM. Semantics: docs/seman
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from h2o_vllm.config import Budget
+from h2o_vllm.score_modes import ScoreMode
 
 
 class LayerCache:
@@ -75,21 +78,19 @@ class LayerCache:
         self._keys, self._values = grown(self._keys), grown(self._values)
         self._positions, self._scores = grown(self._positions), grown(self._scores)
 
-    def compact(self, heavy: int, recent: int, sinks: int = 0, pool: int = 1) -> None:
+    def compact(self, heavy: int, recent: int, sinks: int = 0, rank: Sequence[ScoreMode] = ()) -> None:
         """Keep, per KV head, the ``sinks`` first live tokens, the ``recent`` newest ones and the
         ``heavy`` highest-scored of the rest (ties keep the more recent token, see Eviction);
         order and scores move along. The first live slots are the first logical tokens: sinks
-        are never evicted and compaction preserves order. ``pool`` (odd): the rest are ranked
-        by the best score within ``pool // 2`` slots of each among them; kept scores are their own."""
+        are never evicted and compaction preserves order. ``rank``: score modes that rank the
+        rest by ``ScoreMode.oracle_rank`` instead; kept scores are their own."""
         n = self.kv_len
         if sinks + heavy + recent >= n:
             return
         num_candidates = n - recent  # slots [sinks, num_candidates) compete for the heavy part
-        candidates = self.scores[:, sinks:num_candidates]
-        if pool > 1:
-            half = pool // 2
-            padded = torch.nn.functional.pad(candidates, (half, half), value=-torch.inf)
-            candidates = padded.unfold(-1, pool, 1).amax(-1)  # [num_kv_heads, n - sinks - recent]
+        candidates = self.scores[:, sinks:num_candidates]  # [num_kv_heads, n - sinks - recent]
+        for mode in rank:
+            candidates = mode.oracle_rank(candidates)
         # Sorting the reversed candidates stably puts, among equal scores, the newer token first.
         order = torch.argsort(candidates.flip(-1), dim=-1, descending=True, stable=True)[:, :heavy]
         heavy_slots = (num_candidates - 1 - order).sort(dim=-1).values
@@ -140,16 +141,22 @@ class SequenceState:
             return False
         if self.kv_len < budget.tokens + budget.interval:
             return False
-        # Pooling ranks only the first compaction, the one that compresses the prompt.
-        pool = budget.pool if self.kv_len == self.num_tokens else 1
+        # A mode ranks only the first compaction, the one that compresses the prompt.
+        rank = budget.scoring if self.kv_len == self.num_tokens else ()
         for layer in self.evicting:
-            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, pool)
+            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, rank)
         return True
 
+    def query_scale(self) -> float:
+        """What each query multiplies every live score by before adding its attention: the
+        score modes' ``oracle_query_scale``, 1 for the paper's plain sum."""
+        return math.prod(m.oracle_query_scale() for m in self.budget.scoring) if self.budget else 1.0
+
     def query_weights(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """[n] fp32 ``query_weight`` of the queries at logical ``positions``, or None when
-        every one is 1 (no observation window in effect: the paper's plain sum)."""
-        if self.budget is None or self.budget.obs_window is None:
+        """[n] fp32 weight of the queries at logical ``positions`` (the score modes'
+        ``oracle_query_weight``, their own statement of the rule, apart from the engine's), or
+        None when every one is 1 (the paper's plain sum)."""
+        if self.budget is None or not self.budget.scoring:
             return None
         weights = torch.tensor([query_weight(self.budget, int(p), self.prompt_len) for p in positions],
                                dtype=torch.float32)
@@ -157,13 +164,5 @@ class SequenceState:
 
 
 def query_weight(budget: Budget, position: int, prompt_len: int) -> float:
-    """How much the query at logical ``position`` adds to the scores (before decay): with an
-    observation window, a prompt query counts only among the last ``obs_window`` of its prefill
-    chunk (the whole prompt without ``prefill_chunk``); every later query counts. The oracle's
-    own statement of the rule, on purpose: the engine's is ``policy.query_counts``, which the
-    oracle must not share (docs/semantics.md, "The oracle")."""
-    if budget.obs_window is None or position >= prompt_len:
-        return 1.0
-    chunk = budget.prefill_chunk or prompt_len
-    chunk_end = min((position // chunk + 1) * chunk, prompt_len)
-    return 0.0 if position < chunk_end - budget.obs_window else 1.0
+    """How much the query at logical ``position`` adds to the scores (before any scaling)."""
+    return math.prod(m.oracle_query_weight(position, prompt_len, budget.prefill_chunk) for m in budget.scoring)

@@ -32,7 +32,7 @@ class _Step:
 
     state: SequenceState
     positions: torch.Tensor
-    decay: float
+    query_scale: float
     weights: torch.Tensor | None
     query_chunk: int
     stored_kv: StoredKV
@@ -60,7 +60,7 @@ def _oracle_attention(module, query, key, value, attention_mask, scaling=None, d
     cache = state.layers[index]
     cache.append(*step.stored_kv.round(key[0].float(), value[0].float()), step.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend_and_score(query[0].float(), cache, scale, step.query_chunk, decay=step.decay,
+    out = attend_and_score(query[0].float(), cache, scale, step.query_chunk, query_scale=step.query_scale,
                            weights=step.weights, softcap=softcap,
                            sinks=None if s_aux is None else s_aux.float())
     return out.view(1, query.shape[2], query.shape[1], query.shape[3]).to(query.dtype), None
@@ -91,9 +91,11 @@ class H2OOracle:
       includes the ``min_tokens`` floor. ``tokens`` (= sinks + heavy + recent) is the size
       compacted back to, and with ``interval`` the cadence: compact when, after the prompt,
       ``kv_len >= tokens + interval``.
-    - ``decay`` and ``query_weight`` (``obs_window``): queries in order, each does
-      ``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``attend_and_score``); with
-      decay 1 and every weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged.
+    - ``scoring``, the score modes (``h2o_vllm.score_modes``), by their oracle rules: queries
+      in order, each does ``s(t) <- a * s(t) + w_i * p_i(t)`` for every live token
+      (``attend_and_score``; ``a``: ``SequenceState.query_scale``, ``w_i``: ``query_weight``),
+      and the first compaction ranks by ``ScoreMode.oracle_rank``; with ``a = 1`` and every
+      weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged.
 
     - ``prefill_chunk``: the prompt is written one chunk per step (``prefill``), the cadence
       checked after each, so a chunk's queries attend over what earlier chunks kept.
@@ -181,8 +183,7 @@ class H2OOracle:
         each attention layer writing their K/V, attending and adding scores; then compact if
         due. Returns the fp32 next-token logits [vocab] of the last token."""
         positions = torch.arange(state.num_tokens, state.num_tokens + len(token_ids))
-        decay = 1.0 if state.budget is None else state.budget.decay
-        step = _Step(state, positions, decay, state.query_weights(positions), self.query_chunk,
+        step = _Step(state, positions, state.query_scale(), state.query_weights(positions), self.query_chunk,
                      self.stored_kv)
         kwargs = {"logits_to_keep": 1} if self._keep_last else {}
         with self._attention(), _stepping(step):

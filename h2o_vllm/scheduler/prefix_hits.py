@@ -5,8 +5,8 @@ step boundaries; the state lives on each ``H2OManager`` (``records``, ``hit_reco
 docs/prefix-caching.md has the design; ``scheduler/records.py`` why records exist.
 
 - ``cut_hit``: a hit is cut back to the longest boundary H2O can resume from exactly (one
-  with a written record; for a request with an observation window, any boundary the window
-  does not reach, whose scores are all zero).
+  with a written record; for a request whose score modes turn records off, any boundary its
+  scored queries do not reach, whose scores are all zero: ``ScoreMode.unrecorded_hit``).
 - ``prefix_orders``: at the end of ``schedule``, plan the records each admitted request will
   write and collect this step's orders for the workers (``h2o_vllm.prefix_orders.PrefixOrders``).
 - ``commit_records``: once the step has run, the records it wrote may serve hits.
@@ -16,17 +16,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from h2o_vllm.policy import first_compaction, first_scored
+from h2o_vllm.config import Budget
+from h2o_vllm.policy import chunk_end, first_compaction
 from h2o_vllm.prefix_orders import PrefixOrders
 
 if TYPE_CHECKING:  # manager imports vllm_hooks, whose engine-core hooks import this module
     from h2o_vllm.scheduler.manager import H2OManager
 
 
-def record_key(request, num_blocks: int, decay: float, block_size: int, hash_block_size: int):
+def record_key(request, num_blocks: int, budget: Budget, block_size: int, hash_block_size: int):
     """What a record of the first ``num_blocks`` blocks of ``request`` depends on: the chained
-    hash of its last block names the whole prefix; the decay shapes every score."""
-    return request.block_hashes[num_blocks * (block_size // hash_block_size) - 1], decay
+    hash of its last block names the whole prefix; the score modes that shape every score of a
+    prefix (``ScoreMode.record_key``) name how it was scored."""
+    shaped = tuple((m.key(), k) for m in budget.scoring if (k := m.record_key()) is not None)
+    return request.block_hashes[num_blocks * (block_size // hash_block_size) - 1], shaped
+
+
+def unrecorded_hit(prompt_len: int, budget: Budget) -> int | None:
+    """None when the request's scores of a prefix may be recorded and reused; else the tokens a
+    hit may reach without a record (records are off for it: ``ScoreMode.unrecorded_hit``)."""
+    first_end = chunk_end(0, prompt_len, budget.prefill_chunk)
+    limits = [n for m in budget.scoring if (n := m.unrecorded_hit(first_end)) is not None]
+    return min(limits) if limits else None
 
 
 def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) -> int:
@@ -47,13 +58,12 @@ def cut_hit(manager: H2OManager, request, num_hit_tokens: int, hit_blocks=()) ->
     matched = next((j for j, block in enumerate(hit_blocks) if block.block_id in manager.step_cached),
                    reachable)
     matched = min(matched, reachable)
-    if budget.obs_window is not None:
-        # Queries before its first chunk's window add nothing: such a prefix scores all zeros.
-        first_scoring = first_scored(0, manager.prompt_len_of(request), budget.prefill_chunk, budget.obs_window)
-        return min(matched, first_scoring // block_size) * block_size
+    limit = unrecorded_hit(manager.prompt_len_of(request), budget)
+    if limit is not None:
+        return min(matched, limit // block_size) * block_size
     cut = 0
     for num_blocks in range(matched, 0, -1):
-        record = manager.records.ready(_key(manager, request, num_blocks, budget.decay))
+        record = manager.records.ready(_key(manager, request, num_blocks, budget))
         if record is not None:
             manager.hit_records[rid] = record
             cut = num_blocks * block_size
@@ -74,7 +84,7 @@ def _await_longer_record(manager: H2OManager, request, budget, cut_blocks: int,
     if rid in manager.waited:
         return
     for num_blocks in range(matched_blocks, cut_blocks, -1):
-        key = _key(manager, request, num_blocks, budget.decay)
+        key = _key(manager, request, num_blocks, budget)
         if manager.records.pending(key):
             manager.awaiting.add(rid)
             manager.waited.add(rid)
@@ -94,8 +104,8 @@ def awaits_record(managers, request) -> bool:
     return any(request.request_id in m.awaiting for m in managers)
 
 
-def _key(manager: H2OManager, request, num_blocks: int, decay: float):
-    return record_key(request, num_blocks, decay, manager.block_size,
+def _key(manager: H2OManager, request, num_blocks: int, budget: Budget):
+    return record_key(request, num_blocks, budget, manager.block_size,
                       manager.block_pool.hash_block_size)
 
 
@@ -107,14 +117,14 @@ def plan_records(manager: H2OManager, request, start: int) -> None:
     rid, block_size = request.request_id, manager.block_size
     budget = manager.budgets.resolve(rid, manager.prompt_len_of(request))
     planned = manager.pending_records.setdefault(rid, [])
-    if budget.obs_window is not None:  # its scores of a prefix would be zeros, of use to no one
-        return
+    if unrecorded_hit(manager.prompt_len_of(request), budget) is not None:
+        return  # its scores of a prefix would serve no one
     last = (manager.prompt_len_of(request) - 1) // block_size
     reachable = _blocks_before_first_compaction(manager, request, budget)
     for num_blocks in sorted({manager.longest_match.get(rid, 0), last}):
         if num_blocks * block_size <= start or num_blocks > reachable:
             continue
-        key = _key(manager, request, num_blocks, budget.decay)
+        key = _key(manager, request, num_blocks, budget)
         if manager.records.has(key):
             continue
         record = manager.records.reserve(key, num_blocks, rid)

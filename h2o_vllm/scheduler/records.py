@@ -7,7 +7,7 @@ Why records: H2O's scores include the attention the prompt's own queries paid to
 prompt tokens. On a cache hit of ``H`` tokens those queries are not recomputed, so the hitting
 request needs, for every token ``t < H``, the score ``s_H(t)`` that the queries ``0..H-1``
 gave it. Attention is causal, so ``s_H`` depends on the first ``H`` tokens alone (and on the
-decay, the one score mode that shapes it): it can be recorded once and reused.
+score modes that shape it, ``ScoreMode.record_key``): it can be recorded once and reused.
 
 A record of boundary ``H`` (a multiple of the block size) is ``H`` fp32 scores per (layer, KV
 head), kept in ``H / block_size`` record slots of a pool as large as the KV block pool: at most
@@ -27,7 +27,7 @@ from typing import Hashable
 
 @dataclass(eq=False)
 class Record:
-    key: Hashable           # (hash of the boundary block, decay)
+    key: Hashable           # (hash of the boundary block, the score modes that shaped it)
     num_blocks: int         # boundary, in KV blocks
     slots: list[int]        # record-pool slot of each KV block of the prefix, in order
     ready: bool = False     # written by a finished step: hits may use it

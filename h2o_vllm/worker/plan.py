@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-from h2o_vllm import metrics
+from h2o_vllm import metrics, score_modes
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget
-from h2o_vllm.policy import first_compaction, live_kv_len, prompt_chunk, query_counts
+from h2o_vllm.policy import chunk_end, first_compaction, live_kv_len, prompt_chunk
+from h2o_vllm.score_modes import ScoreMode, StepQueries
 from h2o_vllm.worker.prefix_records import prefix_plan
 
 
@@ -32,16 +33,20 @@ class StepPlan:
     kv_lens_after: torch.Tensor    # live KV tokens once this step's compaction is done
     heavy: torch.Tensor
     sink_tokens: torch.Tensor
-    pool: torch.Tensor             # Budget.pool where this step's compaction is the row's first, else 1
+    # The score modes that rank each row's heavy candidates at this step's compaction
+    # (``ScoreMode.rank``): the budget's where the compaction is the row's first, else none.
+    rank: tuple[tuple[ScoreMode, ...], ...]
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
-    # Score decay and query weights (config.Budget; docs/score-modes.md). A row whose queries
+    # The score modes' terms (h2o_vllm.score_modes; docs/score-modes.md). A row whose queries
     # sit at logical positions a..b updates each live token t as
     #   s(t) <- score_scale[row] * s(t) + sum_i query_weights[i] * p_i(t),
-    # score_scale = decay^(b - a + 1), query_weights[i] = decay^(b - i) * w_i: one fused update
-    # per step, equal to decaying once per query. None (both) when every weight and factor is 1
-    # (paper H2O): the devices then run exactly the unweighted arithmetic, at no extra cost.
-    decay: torch.Tensor | None = None          # [num_reqs] fp32
+    # one fused update per step, equal to the modes' rule applied query by query (with decay:
+    # score_scale = decay^(b - a + 1), query_weights[i] = decay^(b - i) * w_i). None (both) when
+    # every weight and factor is 1 (paper H2O): the devices then run exactly the unweighted
+    # arithmetic, at no extra cost. query_scale: the score_scale of a step of one query of the
+    # row, for the queries the devices score one by one (CPU deferred decode rows, CUDA drafts).
+    query_scale: torch.Tensor | None = None    # [num_reqs] fp32
     query_weights: torch.Tensor | None = None  # [num_tokens] fp32, one per scheduled token
     score_scale: torch.Tensor | None = None    # [num_reqs] fp32
     # Prefix caching: this step's orders by row (worker.prefix_records.PrefixPlan), None without
@@ -91,30 +96,30 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
                    budgets: Sequence[Budget], draft_lens: torch.Tensor | None = None) -> StepPlan:
     """num_computed: logical tokens already in the cache per row (vLLM's num_computed_tokens);
     draft_lens: each row's speculative draft tokens among its query_lens (None: none)."""
-    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sink_tokens, b.pool, b.prefill_chunk or 0)
-                          for b in budgets], dtype=torch.int64).view(-1, 6)
-    heavy, budget_tokens, interval, sink_tokens, pool, chunk = table.unbind(1)
+    table = torch.tensor([(b.heavy, b.tokens, b.interval, b.sink_tokens, b.prefill_chunk or 0)
+                          for b in budgets], dtype=torch.int64).view(-1, 5)
+    heavy, budget_tokens, interval, sink_tokens, chunk = table.unbind(1)
     chunk = prompt_chunk(prompt_lens, chunk)
-    # Pooling ranks the prompt's compaction only (docs/score-modes.md): later ones rank by score.
-    first = first_compaction(prompt_lens, budget_tokens, interval, chunk)
-    pool = torch.where(num_computed < first, pool, 1)
+    first = (num_computed < first_compaction(prompt_lens, budget_tokens, interval, chunk)).tolist()
+    rank = tuple(tuple(m for m in b.scoring if m.ranks) if f else () for b, f in zip(budgets, first))
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval, chunk)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval, chunk)
     seq_lens = before + query_lens
     starts = torch.cumsum(query_lens, 0) - query_lens
-    decay = torch.tensor([b.decay for b in budgets], dtype=torch.float32)
     weights = scale = None
-    if any(b.decay != 1.0 or b.obs_window is not None for b in budgets):
+    if any(b.scoring for b in budgets):
         weights, scale = _query_weights(num_computed, query_lens, prompt_lens, chunk, budgets, starts)
+    query_scale = _score_scales(budgets, torch.ones_like(query_lens))
+    query_scale = torch.ones(len(budgets)) if query_scale is None else query_scale.to(torch.float32)
     due = after < seq_lens
     if draft_lens is not None and bool((draft_lens > 0).any()):
         weights, scale = _unverified(draft_lens, due, query_lens, starts, weights, scale)
     else:
         draft_lens = None
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
-                    kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, pool=pool, due=due,
-                    query_starts=starts, decay=decay, query_weights=weights, score_scale=scale,
-                    draft_lens=draft_lens)
+                    kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, rank=rank, due=due,
+                    query_starts=starts, query_scale=query_scale, query_weights=weights,
+                    score_scale=scale, draft_lens=draft_lens)
 
 
 def _unverified(draft_lens: torch.Tensor, due: torch.Tensor, query_lens: torch.Tensor,
@@ -136,25 +141,50 @@ def _unverified(draft_lens: torch.Tensor, due: torch.Tensor, query_lens: torch.T
     return weights, scale
 
 
+def _mode_values(budgets: Sequence[Budget]):
+    """(mode, [num_reqs] each row's value, ``neutral`` where unset) of each registered score
+    mode some row runs with."""
+    for mode in score_modes.modes():
+        mine = [b.mode(mode) for b in budgets]
+        if any(m is not None for m in mine):
+            dtype = torch.float64 if mode.number is float else torch.int64
+            yield mode, torch.tensor([mode.neutral if m is None else m.value for m in mine], dtype=dtype)
+
+
+def _score_scales(budgets: Sequence[Budget], query_lens: torch.Tensor) -> torch.Tensor | None:
+    """fp64 [num_reqs] the product of the modes' ``score_scales``, None when none has any."""
+    scale = None
+    for mode, values in _mode_values(budgets):
+        term = mode.score_scales(values, query_lens)
+        if term is not None:
+            scale = term if scale is None else scale * term
+    return scale
+
+
 def _query_weights(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_lens: torch.Tensor,
                    chunk: torch.Tensor, budgets: Sequence[Budget], starts: torch.Tensor):
     """(query_weights [num_tokens], score_scale [num_reqs]) fp32, or (None, None) when every
     weight and factor is 1. ``chunk``: each row's prefill chunk.
 
-    ``policy.query_counts`` for all of the step's tokens at once (a prompt chunk can hold
-    thousands), times the decay since each query. Powers are taken in fp64.
+    Every query of the step at once (a prompt chunk can hold thousands): the product of the
+    score modes' factors, in fp64, rounded to fp32 once.
     """
-    decay = torch.tensor([b.decay for b in budgets], dtype=torch.float64)
-    # No window: a window longer than any chunk, so every query counts.
-    window = torch.tensor([b.obs_window if b.obs_window is not None else 2**62 for b in budgets],
-                          dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(query_lens.shape[0]), query_lens)
     j = torch.arange(rows.shape[0]) - starts[rows]          # index of the token in its row
-    counts = query_counts(num_computed[rows] + j, prompt_lens[rows], chunk[rows], window[rows])
-    weights = (decay[rows] ** (query_lens[rows] - 1 - j) * counts.to(torch.float64)).to(torch.float32)
-    scale = (decay ** query_lens).to(torch.float32)
+    position = num_computed[rows] + j
+    queries = StepQueries(row=rows, index=j, row_len=query_lens[rows], position=position,
+                          prompt_len=prompt_lens[rows], chunk_start=position // chunk[rows] * chunk[rows],
+                          chunk_end=chunk_end(position, prompt_lens[rows], chunk[rows]))
+    weights = torch.ones(rows.shape[0], dtype=torch.float64)
+    for mode, values in _mode_values(budgets):
+        factor = mode.query_factors(values, queries)
+        if factor is not None:
+            weights = weights * factor
+    scale = _score_scales(budgets, query_lens)
+    weights = weights.to(torch.float32)
+    scale = torch.ones(query_lens.shape[0]) if scale is None else scale.to(torch.float32)
     if bool((weights == 1).all()) and bool((scale == 1).all()):
-        return None, None  # e.g. an obs_window row past its prompt: paper arithmetic
+        return None, None  # e.g. a row whose modes weigh prompt queries only, past its prompt
     return weights, scale
 
 

@@ -11,7 +11,7 @@ bottom, called by ``worker.step.update_scores_and_compact``):
    (``phase_plans``); after the phase that ends at ``H`` its scores of KV positions ``[0, H)``
    are exactly ``s_H`` (the queries before ``H`` only) and are copied to the record.
    Splitting changes nothing else: a causal query's probabilities do not depend on where the
-   step ends, and a segment's decay is its own (docs/score-modes.md, "Definitions"). The
+   step ends, and a segment's score scale is its own (docs/score-modes.md, "Definitions"). The
    step's pass stays whole, so the CUDA path's fused attention serves every step.
 3. A row whose first compaction comes with fresh blocks copies its first KV blocks into them
    and compacts there, so the blocks the prefix cache indexes keep their contents.
@@ -59,8 +59,9 @@ def phase_plans(plan) -> list[tuple[Any, list[tuple[int, int, Sequence[int]]]]]:
     no row records. Each recording row runs its segments in order, one per phase; the other
     rows are in none (``masked_plan`` scores them, in one pass with the step's attention).
 
-    A recording row's queries all weigh 1 (a request with an observation window records
-    nothing), so a segment's weights are its own decay powers alone.
+    A recording row's queries all weigh 1 and scale the scores alike (a score mode that weighs
+    queries apart turns records off: ``ScoreMode.unrecorded_hit``), so a segment's weights are
+    the powers of its row's ``query_scale`` alone.
     """
     cuts = plan.prefix.cuts if plan.prefix is not None else {}
     if not cuts:
@@ -112,10 +113,9 @@ def _segment(plan, offsets: torch.Tensor, lens: torch.Tensor, cut_rows: list[int
         weights, scale = plan.query_weights.clone(), plan.score_scale.clone()
         for row in cut_rows:
             n = int(lens[row])
-            decay = float(plan.decay[row])
-            powers = torch.tensor(decay, dtype=torch.float64) ** torch.arange(n - 1, -1, -1)
-            weights[int(starts[row]):int(starts[row]) + n] = powers.to(torch.float32)
-            scale[row] = float(torch.tensor(decay, dtype=torch.float64) ** n)
+            factor = torch.tensor(float(plan.query_scale[row]), dtype=torch.float64)
+            weights[int(starts[row]):int(starts[row]) + n] = (factor ** torch.arange(n - 1, -1, -1)).to(torch.float32)
+            scale[row] = float(factor ** n)
     kv_before = plan.kv_lens_before + offsets
     return dataclasses.replace(
         plan, query_lens=lens, kv_lens_before=kv_before, kv_seq_lens=kv_before + lens,

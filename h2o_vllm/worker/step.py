@@ -20,6 +20,7 @@ import torch
 
 from h2o_vllm import metrics
 from h2o_vllm.policy import select_keep
+from h2o_vllm.score_modes import ScoreMode
 from h2o_vllm.worker import prefix_records
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
@@ -27,14 +28,14 @@ from h2o_vllm.worker.prefix_records import PrefixStep
 
 @dataclass(frozen=True)
 class DueGroup:
-    """Due rows that share (kv_len, sink_tokens, heavy, target, pool): one select_keep and one compaction."""
+    """Due rows that share (kv_len, sink_tokens, heavy, target, rank): one select_keep and one compaction."""
     rows: torch.Tensor      # [R] int64, device: batch rows
     blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
     offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
     sink_tokens: int
     heavy: int
     target: int
-    pool: int
+    rank: tuple[ScoreMode, ...]  # the score modes that rank the heavy candidates (StepPlan.rank)
 
 
 @dataclass(frozen=True)
@@ -183,18 +184,18 @@ def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
 
 def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
     device = block_table.device
-    groups: dict[tuple[int, int, int, int, int], list[int]] = {}
+    groups: dict[tuple[int, int, int, int, tuple[ScoreMode, ...]], list[int]] = {}
     for row in plan.due.nonzero().flatten().tolist():
         key = (int(plan.kv_seq_lens[row]), int(plan.sink_tokens[row]), int(plan.heavy[row]),
-               int(plan.kv_lens_after[row]), int(plan.pool[row]))
+               int(plan.kv_lens_after[row]), plan.rank[row])
         groups.setdefault(key, []).append(row)
     out = []
-    for (kv_len, sink_tokens, heavy, target, pool), rows in groups.items():
+    for (kv_len, sink_tokens, heavy, target, rank), rows in groups.items():
         pos = torch.arange(kv_len)
         rows_d = _to(torch.tensor(rows), device)
         blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
         out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
-                            sink_tokens=sink_tokens, heavy=heavy, target=target, pool=pool))
+                            sink_tokens=sink_tokens, heavy=heavy, target=target, rank=rank))
     return tuple(out)
 
 
@@ -224,8 +225,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
                               accumulated: bool = False, softcap: float = 0.0,
                               sink_logits: torch.Tensor | None = None) -> torch.Tensor | None:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
-    written; slots are reused across requests), add this step's probabilities (decayed and
-    weighted on a weighted step: ``H2OStep.score_scale``), compact due rows.
+    written; slots are reused across requests), add this step's probabilities (scaled and
+    weighted by the score modes on a weighted step: ``H2OStep.score_scale``), compact due rows.
 
     ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
     compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
@@ -251,7 +252,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
         keep = select_keep(live, group.heavy, group.target - group.sink_tokens - group.heavy,
-                           group.sink_tokens, group.pool)                             # [R, Hkv, target]
+                           group.sink_tokens, group.rank)                             # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
         ops.compact(views, scores, step.compact_table, group.rows, keep)

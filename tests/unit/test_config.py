@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from h2o_vllm.config import DEFAULT_MIN_TOKENS, DEFAULT_RATIO, Budget, H2OConfig
+from h2o_vllm.score_modes import Decay, ObsWindow, Pooling
 
 KEYS = ["heavy_ratio", "recent_ratio", "heavy_tokens", "recent_tokens", "interval"]
 RATIO_KEYS = ["heavy_ratio", "recent_ratio"]
@@ -329,8 +330,10 @@ def test_mode_values_rejected(data, match):
 
 def test_modes_resolve_into_the_budget():
     plain = H2OConfig().budget(100, 16)
-    assert (plain.sink_tokens, plain.decay, plain.obs_window, plain.pool) == (0, 1.0, None, 1)
+    assert (plain.sink_tokens, plain.scoring) == (0, ())
     budget = H2OConfig(decay=0.9, sink_tokens=4, obs_window=16, pool_kernel=15).budget(200, 16)
-    assert (budget.sink_tokens, budget.decay, budget.obs_window, budget.pool) == (4, 0.9, 16, 15)
+    assert (budget.sink_tokens, budget.scoring) == (4, (Decay(0.9), ObsWindow(16), Pooling(15)))
+    # A mode set to its neutral value is the paper's rule: the budget runs without it.
+    assert H2OConfig(decay=1.0, pool_kernel=1).budget(200, 16).scoring == ()
     assert budget.tokens == 4 + 20 + 20
     assert H2OConfig(pool_kernel=1).budget(100, 16) == plain

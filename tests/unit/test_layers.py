@@ -18,6 +18,7 @@ PACKAGE = ROOT / "h2o_vllm"
 
 #: Bottom first; each inner tuple is one layer's sibling components.
 LAYERS = (
+    ("h2o_vllm.score_modes",),                             # one class per score mode: stdlib + torch
     ("foundation",),                                       # config, metrics, the package's version
     ("rules", "h2o_vllm.oracle"),                          # the shared rules; the independent oracle
     ("h2o_vllm.vllm_shims",),                              # named reads of vLLM's private symbols

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from h2o_vllm import policy
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.policy import first_compaction, kv_len_after, live_kv_len, peak_kv_len, select_keep
+from h2o_vllm.score_modes import Pooling
 
 # --------------------------------------------------------------------------- live_kv_len
 
@@ -275,7 +276,7 @@ def test_select_keep_does_not_modify_scores():
        sinks=st.integers(0, 6), pool=st.sampled_from([1, 3, 5, 15]))
 def test_select_keep_sinks_and_pooling(scores, heavy, recent, sinks, pool):
     n = scores.shape[-1]
-    keep = select_keep(scores, heavy, recent, sinks, pool)
+    keep = select_keep(scores, heavy, recent, sinks, (Pooling(pool),))
     assert keep.shape == (*scores.shape[:-1], min(n, sinks + heavy + recent))
     num_heads = math.prod(scores.shape[:-1])
     for row, kept in zip(scores.reshape(num_heads, n).tolist(),
@@ -288,11 +289,11 @@ def test_pooling_keeps_the_neighbours_of_a_peak():
     # the more recent, so heavy=2 keeps 3 and 4 (unpooled: the peak and the newest flat token).
     scores = torch.tensor([0.0, 0.1, 0.1, 5.0, 0.1, 0.1, 0.1, 0.0])
     assert select_keep(scores, 2, 1).tolist() == [3, 6, 7]
-    assert select_keep(scores, 2, 1, pool=3).tolist() == [3, 4, 7]
-    assert select_keep(scores, 3, 1, pool=3).tolist() == [2, 3, 4, 7]
+    assert select_keep(scores, 2, 1, rank=(Pooling(3),)).tolist() == [3, 4, 7]
+    assert select_keep(scores, 3, 1, rank=(Pooling(3),)).tolist() == [2, 3, 4, 7]
     # Pooling never reaches into the sinks or the recent window: token 7's score is not a candidate's.
     scores = torch.tensor([9.0, 0.0, 0.2, 0.0, 0.0, 0.3, 0.0, 9.0])
-    assert select_keep(scores, 1, 1, sink_tokens=1, pool=3).tolist() == [0, 6, 7]
+    assert select_keep(scores, 1, 1, sink_tokens=1, rank=(Pooling(3),)).tolist() == [0, 6, 7]
 
 
 # --------------------------------------------------------------------------- prefill_chunk
@@ -361,16 +362,6 @@ def test_chunked_examples():
     assert first_compaction(20, 4, 2, 5) == 10
     # A chunk at least the prompt is the prompt held whole.
     assert [live_kv_len(n, 20, 4, 2, 20) for n in range(24)] == [live_kv_len(n, 20, 4, 2) for n in range(24)]
-
-
-@pytest.mark.parametrize("chunk, weights", [
-    (None, [0] * 7 + [1] * 3 + [1, 1]),                 # the prompt's last 3 queries, then all
-    (4, [0, 1, 1, 1, 0, 1, 1, 1, 1, 1] + [1, 1]),       # each chunk's last 3: [0,4) [4,8) [8,10)
-])
-def test_observation_window_per_chunk(chunk, weights):
-    from h2o_vllm.config import Budget
-    budget = Budget(heavy=2, recent=2, interval=1, obs_window=3, prefill_chunk=chunk)
-    assert [policy.query_weight(budget, p, 10) for p in range(12)] == weights
 
 
 # --------------------------------------------------------------------------- speculative decoding

@@ -9,7 +9,7 @@ needed: at the row's compaction (``StepPlan.due``), when ``MAX_PENDING`` have wa
 prefix-caching step (its records snapshot the scores), or before the row's next multi-query
 step. The scores are the same sums: each query still sees exactly the keys it saw (its kv
 length; a row's KV positions only move when it compacts, after a flush), and a weighted row's
-per-step decay is folded into the waiting queries' weights.
+per-step score scale is folded into the waiting queries' weights.
 
 Speculative decoding (docs/semantics.md, "Speculative decoding"): every query of a
 verification step waits, each as a decode query of its own; at the row's next step those past
@@ -54,7 +54,7 @@ class Flush:
     slots: torch.Tensor         # int64 [F]
     num_queries: int            # T: the most any of them has waiting
     index: DecodeIndex          # keys per row, padding per waiting query
-    weights: torch.Tensor       # fp32 [F, T]: each query's weight with the later steps' decay; 0: padding
+    weights: torch.Tensor       # fp32 [F, T]: each query's weight with the later steps' score scales; 0: padding
     factor: torch.Tensor | None  # fp32 [F]: the product of the waiting steps' score_scale; None: all 1
 
 
@@ -93,7 +93,7 @@ class PendingBook(QueryBook[DeferredDecode]):
         scales = None if plan.score_scale is None else plan.score_scale.tolist()
         drafts = [0] * len(q_lens) if plan.draft_lens is None else plan.draft_lens.tolist()
         kv_before = plan.kv_lens_before.tolist()
-        decay = [1.0] * len(q_lens) if plan.decay is None else plan.decay.tolist()
+        query_scale = [1.0] * len(q_lens) if plan.query_scale is None else plan.query_scale.tolist()
         stored: list[tuple[int, int, int]] = []
         flushing: list[tuple[int, _Waiting]] = []
         before: list[tuple[int, _Waiting]] = []
@@ -109,11 +109,11 @@ class PendingBook(QueryBook[DeferredDecode]):
                     before.append((row, waiting))  # scored first, then the slot is refilled
                     waiting = self._waiting[req_id] = _Waiting(waiting.slot)
             if drafts[row]:
-                for j in range(q_lens[row]):  # each its own decode step: weight 1, decay once
+                for j in range(q_lens[row]):  # each its own decode step: weight 1, scaled once
                     stored.append((starts[row] + j, waiting.slot, len(waiting.kv_lens)))
                     waiting.kv_lens.append(kv_before[row] + j + 1)
                     waiting.weights.append(1.0)
-                    waiting.scales.append(decay[row])
+                    waiting.scales.append(query_scale[row])
             elif stores:
                 stored.append((starts[row], waiting.slot, len(waiting.kv_lens)))
                 waiting.kv_lens.append(kv_lens[row])

@@ -8,7 +8,7 @@ Keys are read whole blocks at a time in the cache's own layout (``layout.py``: K
 [num_blocks, num_kv_heads, head_size, block_size]) and scores are added per block with
 ``index_add_``: no per-token gathers. Positions past a row's length get probability exactly
 0, so the stale block-table entries they come from are left unchanged.
-Weighted steps (score decay, query weights; ``StepPlan.score_scale``): a row's live blocks
+Weighted steps (score scales, query weights; ``StepPlan.score_scale``): a row's live blocks
 are scaled by its factor before the add. Rows never share blocks (a prefix-cache hit is copied
 into the row's own blocks, docs/prefix-caching.md), so this touches no other row; slots past the row's length in its last block are stale
 and are zeroed before their next use, so scaling them is harmless.

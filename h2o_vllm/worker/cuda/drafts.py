@@ -27,7 +27,7 @@ class HeldScoring:
     rows: torch.Tensor          # int64 [F], device: batch rows
     slots: torch.Tensor         # int64 [F], device
     kv_lens: torch.Tensor       # int32 [T, F], device
-    decay: torch.Tensor | None  # fp32 [F], device: each query's decay; None: paper H2O
+    query_scale: torch.Tensor | None  # fp32 [F], device: each query's score scale; None: paper H2O
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,11 @@ class DraftBook(QueryBook[DraftStep]):
         if scored:
             width = max(len(k) for _, _, k in scored)
             kv_lens = [[k[t] if t < len(k) else 0 for _, _, k in scored] for t in range(width)]
-            decay = None
-            if plan.decay is not None and bool((plan.decay[[r for r, _, _ in scored]] != 1).any()):
-                decay = plan.decay[[r for r, _, _ in scored]].to(device)
+            query_scale = None
+            if plan.query_scale is not None and bool((plan.query_scale[[r for r, _, _ in scored]] != 1).any()):
+                query_scale = plan.query_scale[[r for r, _, _ in scored]].to(device)
             score = HeldScoring(rows=to([r for r, _, _ in scored]), slots=to([s for _, s, _ in scored]),
-                                kv_lens=to(kv_lens, torch.int32), decay=decay)
+                                kv_lens=to(kv_lens, torch.int32), query_scale=query_scale)
         tokens = slots = pos = None
         if stored:
             tokens, slots, pos = (to(list(xs)) for xs in zip(*stored))
@@ -113,10 +113,10 @@ class HeldQueries:
         score = decision.score
         if score is not None:
             table = step.block_table[score.rows]
-            ones = None if score.decay is None else torch.ones_like(score.decay)
-            for t in range(score.kv_lens.shape[0]):  # one pass per query: s <- decay * s + p
+            ones = None if score.query_scale is None else torch.ones_like(score.query_scale)
+            for t in range(score.kv_lens.shape[0]):  # one pass per query: s <- query_scale * s + p
                 kernels.accumulate_decode_scores(self.buffer[score.slots, t], keys, table, score.kv_lens[t],
-                                         scores, scale, query_weight=ones, score_scale=score.decay,
+                                         scores, scale, query_weight=ones, score_scale=score.query_scale,
                                          softcap=softcap, sinks=sink_logits, k_scale=k_scale)
         if decision.store_tokens is not None:
             buffer = self._buffer(decision, query)

@@ -3,6 +3,7 @@ import torch
 
 from h2o_vllm.config import Budget
 from h2o_vllm.kv_transfer.store import KVStore, StoredPrompt, state_key
+from h2o_vllm.score_modes import Decay
 
 BUDGET = Budget(heavy=8, recent=8, interval=16)
 
@@ -12,7 +13,7 @@ def test_the_key_names_tokens_budget_and_block_size():
     assert key == state_key([1, 2, 3], BUDGET, 16)
     others = {state_key([1, 2, 4], BUDGET, 16), state_key([1, 2, 3], BUDGET, 32),
               state_key([1, 2, 3], Budget(heavy=8, recent=8, interval=1), 16),
-              state_key([1, 2, 3], Budget(heavy=8, recent=8, interval=16, decay=0.9), 16)}
+              state_key([1, 2, 3], Budget(heavy=8, recent=8, interval=16, scoring=(Decay(0.9),)), 16)}
     assert key not in others and len(others) == 4
 
 

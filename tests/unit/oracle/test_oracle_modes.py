@@ -2,7 +2,7 @@
 against the naive twin, which implements each of them from scratch.
 
 Spec (the one the engine implements too): queries in order, each does
-``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``w_i = policy.query_weight``: 0 for
+``s(t) <- decay * s(t) + w_i * p_i(t)`` for every live token (``w_i = oracle.cache.query_weight``: 0 for
 a prompt query before the prompt's last ``obs_window``, else 1); compaction keeps the ``sinks``
 first logical tokens, the ``recent`` newest and the ``heavy`` best-scored of the rest, back to
 ``Budget.tokens``; ``min_tokens`` grows ``recent``. Each mode must change what paper H2O keeps on
@@ -194,7 +194,7 @@ def test_attend_and_score_follows_the_sequential_definition(decay, window):
     keys = cache.keys.clone()
     plain = LayerCache(num_kv, head_dim)
     plain.append(cache.keys.clone(), cache.values.clone(), cache.positions[0].clone())
-    out = attend_and_score(queries, cache, 0.5, query_chunk=4, decay=decay, weights=weights)
+    out = attend_and_score(queries, cache, 0.5, query_chunk=4, query_scale=decay, weights=weights)
     assert torch.equal(out, attend_and_score(queries, plain, 0.5, query_chunk=4))  # outputs untouched
 
     want = torch.cat([old_scores, torch.zeros(num_kv, num_new)], dim=1).double()

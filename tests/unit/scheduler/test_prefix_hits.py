@@ -143,7 +143,8 @@ class Engine:
         self.requests.pop(rid)
 
     def key(self, request, num_blocks, decay=1.0):
-        return record_key(request, num_blocks, decay, BLOCK, BLOCK)
+        budget = H2OConfig(heavy_tokens=1, decay=decay).budget(1, BLOCK)
+        return record_key(request, num_blocks, budget, BLOCK, BLOCK)
 
 
 PROMPT = list(range(100, 120))  # 20 tokens, 5 blocks; records at its last boundary: 16

@@ -817,7 +817,7 @@ def test_h2o_spec_merge_keeps_h2o_and_pickles(registered):
 
 def test_pure_modules_import_no_vllm():
     # The pure modules, and the oracle: the independent side of every engine test.
-    code = ("import sys; import h2o_vllm.config, h2o_vllm.policy, h2o_vllm.budgets, h2o_vllm.oracle, "
+    code = ("import sys; import h2o_vllm.score_modes, h2o_vllm.config, h2o_vllm.policy, h2o_vllm.budgets, h2o_vllm.oracle, "
             "h2o_vllm.kv_transfer.store, h2o_vllm.kv_transfer.orders, h2o_vllm.kv_transfer.save_load, "
             "h2o_vllm.kv_transfer.transfer_config; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')); "
@@ -827,8 +827,8 @@ def test_pure_modules_import_no_vllm():
 
 
 def test_oracle_shares_no_code_with_what_it_checks():
-    """The oracle is the independent side: it may use the config (and its Budget), never the
-    policy, the worker or the kernels that the engine runs."""
+    """The oracle is the independent side: it may use the config (and its Budget) and each
+    score mode's oracle rule, never the policy, the worker or the kernels that the engine runs."""
     code = ("import sys; import h2o_vllm.oracle; "
             "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['h2o_vllm', 'policy'], "
             "['h2o_vllm', 'worker'], ['h2o_vllm', 'kernels'], ['h2o_vllm', 'scheduler'])); "

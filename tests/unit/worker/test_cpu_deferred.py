@@ -16,6 +16,7 @@ from h2o_vllm.worker import step as worker_step
 from h2o_vllm.worker.cpu import deferred
 from h2o_vllm.worker.cpu.ops import CPUOps
 from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan
+from h2o_vllm.score_modes import Decay, ObsWindow
 
 BLOCK, NUM_KV_HEADS, HEAD, GROUP = 16, 2, 16, 3
 MAX_BLOCKS = 8
@@ -100,8 +101,8 @@ SCHEDULE = ([({0: 20, 1: 9, 2: 33}, ())] + [({0: 1, 1: 1, 2: 1}, ())] * 10
 
 @pytest.mark.parametrize("budget", [
     Budget(heavy=4, recent=4, interval=4), Budget(heavy=4, recent=4, interval=40),
-    Budget(heavy=3, recent=5, interval=6, sink_tokens=1, decay=0.9, obs_window=4),
-    Budget(heavy=3, recent=5, interval=1, decay=0.95)],
+    Budget(heavy=3, recent=5, interval=6, sink_tokens=1, scoring=(Decay(0.9), ObsWindow(4))),
+    Budget(heavy=3, recent=5, interval=1, scoring=(Decay(0.95),))],
     ids=["paper", "paper-rare-compactions", "weighted", "every-step"])
 def test_deferred_scores_equal_scoring_every_step(budget):
     _, decisions = _run(budget, SCHEDULE, PROMPTS, _settled_rows_agree)
@@ -202,9 +203,9 @@ def _plan(computed, rows, q, prompt_lens, budget, drafts=None):
 
 
 @pytest.mark.parametrize("budget", [
-    Budget(heavy=4, recent=4, interval=6), Budget(heavy=3, recent=5, interval=7, decay=0.9),
-    Budget(heavy=3, recent=5, interval=5, sink_tokens=1, decay=0.9, obs_window=4),
-    Budget(heavy=4, recent=4, interval=40, decay=0.9)],
+    Budget(heavy=4, recent=4, interval=6), Budget(heavy=3, recent=5, interval=7, scoring=(Decay(0.9),)),
+    Budget(heavy=3, recent=5, interval=5, sink_tokens=1, scoring=(Decay(0.9), ObsWindow(4))),
+    Budget(heavy=4, recent=4, interval=40, scoring=(Decay(0.9),))],
     ids=["paper", "decay", "weighted", "rare-compactions"])
 def test_verification_steps_leave_the_scores_of_plain_decoding(budget):
     """Requests decode with drafts (cut by ``policy.draft_step_limit``, accepted at random);

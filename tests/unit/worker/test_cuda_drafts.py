@@ -13,6 +13,7 @@ from h2o_vllm.worker import step as worker_step
 from h2o_vllm.worker.cuda.drafts import DraftBook, HeldQueries
 from h2o_vllm.worker.cuda.ops import TritonOps
 from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan
+from h2o_vllm.score_modes import Decay
 
 BLOCK, NUM_KV_HEADS, HEAD, GROUP, MAX_BLOCKS = 16, 2, 16, 2, 6
 SCALE = HEAD ** -0.5
@@ -63,7 +64,7 @@ def _plan(computed, rows, q, prompt_lens, budget, drafts=None):
 
 
 @pytest.mark.parametrize("budget", [Budget(heavy=4, recent=4, interval=6),
-                                    Budget(heavy=3, recent=5, interval=7, decay=0.9)],
+                                    Budget(heavy=3, recent=5, interval=7, scoring=(Decay(0.9),))],
                          ids=["paper", "decay"])
 def test_held_queries_leave_the_scores_of_plain_decoding(budget):
     prompt_lens, rng = [20, 9], torch.Generator().manual_seed(5)

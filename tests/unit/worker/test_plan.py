@@ -9,6 +9,7 @@ from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget, H2OConfig
 from h2o_vllm.policy import kv_len_after
 from h2o_vllm.worker import plan as step_plan
+from h2o_vllm.score_modes import Decay, ObsWindow, Pooling
 
 t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
 
@@ -65,26 +66,26 @@ def test_record_compactions_counts_evicted_tokens(monkeypatch):
 def test_paper_budgets_make_an_unweighted_step():
     plan = step_plan.make_step_plan(t([0, 30]), t([20, 1]), t([20, 30]), [Budget(2, 2, 1)] * 2)
     assert plan.query_weights is None and plan.score_scale is None and not plan.weighted
-    assert plan.decay.tolist() == [1.0, 1.0] and plan.decay.dtype == torch.float32
+    assert plan.query_scale.tolist() == [1.0, 1.0] and plan.query_scale.dtype == torch.float32
     # A window only weighs prompt queries: past the prompt with decay 1 the step is the paper's.
-    plan = step_plan.make_step_plan(t([30]), t([1]), t([30]), [Budget(2, 2, 1, obs_window=4)])
+    plan = step_plan.make_step_plan(t([30]), t([1]), t([30]), [Budget(2, 2, 1, scoring=(ObsWindow(4),))])
     assert plan.query_weights is None and plan.score_scale is None
 
 
 def test_query_weights_follow_budget_query_weight_and_decay():
     """Token j of row r (logical position i = num_computed[r] + j, last position b) weighs
     decay^(b - i) * oracle_query_weight(budget, i, prompt_len); each row's old scores decay^q_len."""
-    budgets = [Budget(2, 2, 1, decay=0.9, obs_window=5), Budget(2, 2, 1),
-               Budget(2, 2, 1, sink_tokens=1, obs_window=3), Budget(2, 2, 1, decay=0.5),
-               Budget(2, 2, 1, obs_window=2, prefill_chunk=4)]
+    budgets = [Budget(2, 2, 1, scoring=(Decay(0.9), ObsWindow(5))), Budget(2, 2, 1),
+               Budget(2, 2, 1, sink_tokens=1, scoring=(ObsWindow(3),)), Budget(2, 2, 1, scoring=(Decay(0.5),)),
+               Budget(2, 2, 1, prefill_chunk=4, scoring=(ObsWindow(2),))]
     # Row 0 straddles its window; row 4 (chunks of 4, each scored by its last 2) two chunks.
     computed, query, prompt = [4, 0, 2, 40, 2], [6, 3, 1, 1, 5], [12, 3, 7, 30, 11]
     plan = step_plan.make_step_plan(t(computed), t(query), t(prompt), budgets)
     assert plan.weighted and plan.query_weights.dtype == plan.score_scale.dtype == torch.float32
     expected = []
     for budget, start, q_len, prompt_len in zip(budgets, computed, query, prompt):
-        last = start + q_len - 1
-        expected += [budget.decay ** (last - i) * oracle_query_weight(budget, i, prompt_len)
+        last, decay = start + q_len - 1, (budget.mode(Decay) or Decay(1.0)).decay
+        expected += [decay ** (last - i) * oracle_query_weight(budget, i, prompt_len)
                      for i in range(start, start + q_len)]
     assert plan.query_weights.tolist() == pytest.approx(expected, rel=1e-6)
     assert plan.query_weights.tolist()[:3] == [0.0, 0.0, 0.0]        # row 0: before its window
@@ -92,24 +93,24 @@ def test_query_weights_follow_budget_query_weight_and_decay():
     assert plan.query_weights.tolist()[9] == 0.0                     # row 2: before its window
     assert plan.query_weights.tolist()[11:16] == [1.0, 1.0, 0.0, 0.0, 1.0]  # positions 2..6
     assert plan.score_scale.tolist() == pytest.approx([0.9 ** 6, 1.0, 1.0, 0.5, 1.0], rel=1e-6)
-    assert plan.decay.tolist() == pytest.approx([0.9, 1.0, 1.0, 0.5, 1.0])
+    assert plan.query_scale.tolist() == pytest.approx([0.9, 1.0, 1.0, 0.5, 1.0])
 
 
 def test_pooling_ranks_only_each_rows_first_compaction():
     # Budget 4 (2 + 2), interval 2: a 10-token prompt first compacts at its prefill (row 0); a
     # 3-token prompt at 6 tokens (row 1, at its first due decode); rows 2 and 3 compacted before.
-    budget = Budget(2, 2, 2, pool=5)
+    budget = Budget(2, 2, 2, scoring=(Pooling(5),))
     plan = step_plan.make_step_plan(t([0, 5, 11, 6]), t([10, 1, 1, 1]), t([10, 3, 10, 3]), [budget] * 4)
     assert plan.due.tolist() == [True, True, True, False]
-    assert plan.pool.tolist() == [5, 5, 1, 1]
+    assert plan.rank == ((Pooling(5),), (Pooling(5),), (), ())
 
 
 def test_a_chunked_prompt_compacts_at_chunk_ends_and_pools_only_the_first():
     # Budget 4 + interval 2, chunks of 5, a 20-token prompt: the chunk ending at 10 compacts
     # first (pooled), the one ending at 15 again (4 + 5 >= 6); a step ending mid-chunk never does.
-    budget = Budget(2, 2, 2, pool=3, prefill_chunk=5)
+    budget = Budget(2, 2, 2, prefill_chunk=5, scoring=(Pooling(3),))
     plan = step_plan.make_step_plan(t([5, 10, 10, 15]), t([5, 5, 3, 5]), t([20] * 4), [budget] * 4)
     assert plan.kv_lens_before.tolist() == [5, 4, 4, 4]
     assert plan.kv_lens_after.tolist() == [4, 4, 7, 4]
     assert plan.due.tolist() == [True, True, False, True]
-    assert plan.pool.tolist() == [3, 1, 1, 1]
+    assert plan.rank == ((Pooling(3),), (), (), ())

@@ -27,6 +27,7 @@ from h2o_vllm.worker import step as worker_step  # noqa: E402
 from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
 from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps  # noqa: E402
 from h2o_vllm.worker.plan import kv_slot_mapping, make_step_plan  # noqa: E402
+from h2o_vllm.score_modes import Decay, ObsWindow
 
 if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no GPU", allow_module_level=True)
@@ -110,8 +111,8 @@ BUDGETS = {
     "paper": [Budget(**WIDE)] * 5,
     # Recording rows 0 and 2 decay (records are per decay); a paper row and a windowed,
     # decayed short prompt beside them keep their own weights.
-    "decay": [Budget(**WIDE, decay=0.9), Budget(**WIDE, decay=0.7), Budget(**WIDE, decay=0.8),
-              Budget(**WIDE, decay=0.6, obs_window=2), Budget(**WIDE)],
+    "decay": [Budget(**WIDE, scoring=(Decay(0.9),)), Budget(**WIDE, scoring=(Decay(0.7),)), Budget(**WIDE, scoring=(Decay(0.8),)),
+              Budget(**WIDE, scoring=(Decay(0.6), ObsWindow(2))), Budget(**WIDE)],
 }
 # row -> [(boundary, record slots)]: one boundary per row, or two in row 0 and in row 2
 # (row 2's second one at the end of its chunk).

@@ -20,6 +20,7 @@ from h2o_vllm.worker import step as worker_step  # noqa: E402
 from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
 from h2o_vllm.worker.cuda.ops import TritonOps  # noqa: E402
 from h2o_vllm.worker.plan import kv_slot_mapping  # noqa: E402
+from h2o_vllm.score_modes import Decay, ObsWindow
 
 if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no GPU", allow_module_level=True)
@@ -79,7 +80,7 @@ def test_only_prefill_rows_use_the_batch_as_packed():
 
 
 def test_make_step_carries_the_weights_indexed_like_the_queries():
-    budgets = [Budget(4, 4, 4, decay=0.5), Budget(4, 4, 4, obs_window=2)]
+    budgets = [Budget(4, 4, 4, scoring=(Decay(0.5),)), Budget(4, 4, 4, scoring=(ObsWindow(2),))]
     plan = batch_plan([30, 0], [1, 5], [20, 5], budgets=budgets)
     table = block_table(2, 4)
     step = worker_step.make_step(plan, table, kv_slot_mapping(plan, table, 6, BLOCK), BLOCK)
@@ -97,8 +98,8 @@ PAPER = Budget(4, 4, 4)
 # Rows A (prompt 20, at once) and B (prompt 13, in chunks of 8 and 5) of the cross-device
 # test: paper H2O, or one row weighted (decay, observation window, sinks) beside a paper row.
 BUDGETS = {"paper": (PAPER, PAPER),
-           "decay-sinks": (Budget(4, 4, 4, sink_tokens=2, decay=0.9), PAPER),
-           "window": (PAPER, Budget(4, 4, 4, sink_tokens=1, decay=0.8, obs_window=7))}
+           "decay-sinks": (Budget(4, 4, 4, sink_tokens=2, scoring=(Decay(0.9),)), PAPER),
+           "window": (PAPER, Budget(4, 4, 4, sink_tokens=1, scoring=(Decay(0.8), ObsWindow(7))))}
 
 
 @pytest.mark.parametrize("budgets", list(BUDGETS))
@@ -180,9 +181,10 @@ def dense_step(old, keys, query, start, budget, prompt_len, group, scale):
     old: [a, Hkv]; keys: [b + 1, Hkv, D]; query: [b - a + 1, Hq, D]. Returns [b + 1, Hkv]."""
     end = keys.shape[0] - 1
     s = torch.cat([old, torch.zeros(end + 1 - start, keys.shape[1], dtype=torch.float64)])
-    s *= budget.decay ** (end - start + 1)
+    decay = (budget.mode(Decay) or Decay(1.0)).decay
+    s *= decay ** (end - start + 1)
     for i in range(start, end + 1):
-        w = budget.decay ** (end - i) * oracle_query_weight(budget, i, prompt_len)
+        w = decay ** (end - i) * oracle_query_weight(budget, i, prompt_len)
         for h in range(query.shape[1]):
             logits = keys[:i + 1, h // group].double() @ query[i - start, h].double() * scale
             s[:i + 1, h // group] += w * torch.softmax(logits, dim=0)
@@ -195,7 +197,7 @@ def test_weighted_scores_are_the_closed_form_and_paper_rows_unchanged():
     equal the closed form computed densely here, and the paper row's scores are bit for bit
     those of the same schedule run as an all-paper (unweighted) batch."""
     num_kv_heads, head_size, group, prompt_len = 2, 16, 2, 20
-    weighted = Budget(16, 16, 4, decay=0.9, obs_window=6)  # budgets past 23: no compaction
+    weighted = Budget(16, 16, 4, scoring=(Decay(0.9), ObsWindow(6)))  # budgets past 23: no compaction
     runs = {"mixed": (weighted, Budget(16, 16, 4)), "paper": (Budget(16, 16, 4),) * 2}
     layers = {name: Layer(block_table(2, 2, seed=3), num_kv_heads, head_size) for name in runs}
     # Row 0's one-token chunk at position 7 runs as a decode row and weighs 0 (before the window).

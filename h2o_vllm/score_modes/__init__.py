@@ -1,0 +1,24 @@
+"""The score modes past the paper, one class per mode (docs/score-modes.md, "Adding a mode").
+
+Pure: stdlib and torch; below ``config``, which takes its mode keys from here. ``MODES`` is the
+registry, in the order the keys are listed, checked and applied; the generic code reads it
+through ``modes()`` at each call, so a mode added to it reaches config parsing, the flags, the
+step plan, the records and the oracle without another module naming it.
+"""
+from h2o_vllm.score_modes.base import ScoreMode, StepQueries
+from h2o_vllm.score_modes.decay import Decay
+from h2o_vllm.score_modes.obs_window import ObsWindow
+from h2o_vllm.score_modes.pooling import Pooling
+
+MODES: tuple[type[ScoreMode], ...] = (Decay, ObsWindow, Pooling)
+
+
+def modes() -> tuple[type[ScoreMode], ...]:
+    return MODES
+
+
+def by_key() -> dict[str, type[ScoreMode]]:
+    return {mode.key(): mode for mode in MODES}
+
+
+__all__ = ["MODES", "Decay", "ObsWindow", "Pooling", "ScoreMode", "StepQueries", "by_key", "modes"]

@@ -1,0 +1,130 @@
+"""``ScoreMode``: one way of scoring past the paper's H2O, as one small class (kvpress's presses).
+
+Pure: stdlib and torch. A mode is a frozen dataclass whose one field is named by its
+``additional_config["h2o"]`` key and holds that key's value; the same name gives its flag
+(``--h2o-<key>``) and its per-request key (``h2o_<key>``). The class owns everything the mode
+changes, each as a hook that the generic code calls for every registered mode
+(``score_modes.MODES``), and whose default changes nothing:
+
+- config: ``check`` (the range and its message), ``neutral`` (the value that is the paper's
+  rule: a budget drops a mode set to it, so the paper's arithmetic runs unchanged), ``help``;
+- the engine's step plan, vectorised over a batch whose rows each have their own value
+  (``neutral`` where unset): ``query_factors`` and ``score_scales``, the two terms of the
+  fused update ``s <- score_scale[row] * s + sum_i query_weight[i] * p_i`` (the kernels take
+  only those); ``rank``, how the first compaction ranks the heavy candidates;
+- prefix-cache records: ``record_key`` (what a prefix's scores depend on) and
+  ``unrecorded_hit`` (records off, and how far a hit may reach without one);
+- the dense oracle: ``oracle_query_scale``, ``oracle_query_weight`` and ``oracle_rank``, the
+  same rules stated per query and per token, written apart from the vectorised ones so that
+  the tests holding the engine to the oracle compare two statements (docs/semantics.md, "The
+  oracle").
+
+A mode that scores from keys rather than from attention (KeyDiff, Expected Attention) adds its
+own hooks here, with defaults that change nothing, and the generic code calls them the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Hashable
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepQueries:
+    """The queries of one step, one entry per scheduled token (int64 [num_tokens], CPU)."""
+
+    row: torch.Tensor        # its row in the batch
+    index: torch.Tensor      # its index among its row's queries in this step
+    row_len: torch.Tensor    # its row's queries in this step
+    position: torch.Tensor   # logical position
+    prompt_len: torch.Tensor
+    chunk_start: torch.Tensor  # where the prefill chunk holding it starts (docs/semantics.md, "Prefill chunks")
+    chunk_end: torch.Tensor    # where that chunk ends, exclusive; past the prompt, meaningless
+
+
+@dataclass(frozen=True)
+class ScoreMode:
+    #: The flag's help (``frontend.flags``); its metavar and parser follow ``number``.
+    help: ClassVar[str] = ""
+    #: ``float`` or ``int``: the type of the value.
+    number: ClassVar[type] = int
+    #: The value that changes nothing; in a tensor of rows, the value of a row without the mode.
+    neutral: ClassVar[Any] = None
+    #: Whether ``rank`` is not the identity (the plan passes only such modes to the compaction).
+    ranks: ClassVar[bool] = False
+
+    @classmethod
+    def key(cls) -> str:
+        return dataclasses.fields(cls)[0].name
+
+    @property
+    def value(self) -> Any:
+        return getattr(self, self.key())
+
+    @classmethod
+    def check(cls, value: Any) -> None:
+        """Raise ``ValueError`` naming ``h2o.<key>`` when ``value`` is out of range."""
+
+    # -- the engine's step plan: ``values`` [num_reqs], each row's value (``neutral`` where unset)
+
+    @classmethod
+    def query_factors(cls, values: torch.Tensor, queries: StepQueries) -> torch.Tensor | None:
+        """fp64 [num_tokens]: what each query's probabilities are multiplied by before they are
+        added, or None for 1 everywhere."""
+        return None
+
+    @classmethod
+    def score_scales(cls, values: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor | None:
+        """fp64 [num_reqs]: what each row's scores from before the step are multiplied by, or
+        None for 1 everywhere."""
+        return None
+
+    def rank(self, candidates: torch.Tensor) -> torch.Tensor:
+        """[..., m] the rank score of each heavy candidate at a sequence's first compaction
+        (candidates: live slots between the sinks and the recent window, in order)."""
+        return candidates
+
+    # -- prefix-cache records (scheduler/prefix_hits.py)
+
+    def record_key(self) -> Hashable | None:
+        """What of this mode a prefix's recorded scores depend on; None: nothing."""
+        return None
+
+    def unrecorded_hit(self, first_chunk_end: int) -> int | None:
+        """None: records as usual. Else records are off for the request (its recorded scores
+        would serve no one), and a hit may reach this many tokens, whose scores are all zero."""
+        return None
+
+    # -- the dense oracle: per query, per token
+
+    def oracle_query_scale(self) -> float:
+        """What each query multiplies every live score by before adding its attention."""
+        return 1.0
+
+    def oracle_query_weight(self, position: int, prompt_len: int, chunk: int | None) -> float:
+        """What the query at logical ``position`` weighs in the scores."""
+        return 1.0
+
+    def oracle_rank(self, candidates: torch.Tensor) -> torch.Tensor:
+        """``rank`` as the oracle states it."""
+        return candidates
+
+
+def integer_at_least(key: str, value: Any, low: int) -> None:
+    """The check of a count key: an int (not a bool) of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"h2o.{key} must be an integer >= {low}, got {value!r}")
+
+
+def number_in_unit_interval(key: str, value: Any, low_open: bool, note: str = "") -> None:
+    """The check of a fraction key: a number in [0, 1], or (0, 1] with ``low_open``."""
+    span = "(0, 1]" if low_open else "[0, 1]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"h2o.{key} must be a number in {span}, got {value!r}")
+    # Range first: a huge int would overflow math.isfinite; NaN fails the range too.
+    inside = 0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0
+    if not inside or not math.isfinite(value):
+        raise ValueError(f"h2o.{key} must be in {span}{note}, got {value!r}")
