@@ -20,7 +20,7 @@ from collections import Counter
 
 import requests
 
-from h2o_vllm.config import REQUEST_KEYS
+from h2o_vllm.config import request_keys
 from h2o_devtools.models import TINY_CHAT_TEMPLATE
 from h2o_devtools.soak import STOCK_PLUGINS
 from h2o_devtools.server import results_subdir, run_header, served_model, start_server, stop_server
@@ -43,7 +43,7 @@ def xargs_strategy():
     from hypothesis import strategies as st
     values = st.one_of(st.none(), st.booleans(), st.integers(-10, 5000),
                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6))
-    keys = st.sampled_from(sorted(REQUEST_KEYS) + [MISSPELT, "other_plugin_key"])
+    keys = st.sampled_from(sorted(request_keys()) + [MISSPELT, "other_plugin_key"])
     return st.dictionaries(keys, values, max_size=3)
 
 

@@ -202,16 +202,15 @@ class Budget:
         return self.sink_tokens + self.heavy + self.recent
 
 
-#: Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)
-#: under these names; the value is an ``H2OConfig`` key.
 #: The prefix of H2O's per-request keys: every key with it is H2O's (an unknown one is refused).
 REQUEST_PREFIX = "h2o_"
+
+
 def request_keys() -> dict[str, str]:
-    """Each per-request key and the ``H2OConfig`` key it sets, from the registry as it is now."""
+    """Per-request overrides travel in ``SamplingParams.extra_args`` (OpenAI: ``vllm_xargs``)
+    under these names: each per-request key and the ``H2OConfig`` key it sets, from the
+    registry as it is now (a mode registered later has its key too)."""
     return {f"{REQUEST_PREFIX}{key}": key for key in H2OConfig.keys()}
-
-
-REQUEST_KEYS = request_keys()
 
 
 _parsed: dict[str, H2OConfig] = {}

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from h2o_vllm.frontend import flags
-from h2o_vllm.config import REQUEST_KEYS, H2OConfig, config_from_additional, request_overrides
+from h2o_vllm.config import H2OConfig, config_from_additional, request_keys, request_overrides
 from h2o_vllm.policy import kv_len_after
 
 _SCALARS = st.one_of(
@@ -23,7 +23,7 @@ _VALUES = st.one_of(_SCALARS, st.lists(_SCALARS, max_size=2), st.dictionaries(st
 _ENGINE = st.sampled_from([{}, {"heavy_ratio": 0.2}, {"heavy_tokens": 16, "recent_tokens": 16},
                            {"recent_ratio": 0.0, "heavy_tokens": 4, "interval": 1}])
 _EXTRA_ARGS = st.dictionaries(
-    st.one_of(st.sampled_from(sorted(REQUEST_KEYS)), st.sampled_from(["h2o_budget", "h2o_", "other", "H2O_interval"])),
+    st.one_of(st.sampled_from(sorted(request_keys())), st.sampled_from(["h2o_budget", "h2o_", "other", "H2O_interval"])),
     _VALUES, max_size=6)
 _NOT_VALID = (ValueError,)
 
