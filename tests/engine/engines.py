@@ -156,7 +156,8 @@ def h2o_group(scheduler):
     return group, manager
 
 
-def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int = 0) -> list[int]:
+def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int = 0,
+                      history: dict[str, list[tuple[int, int]]] | None = None) -> list[int]:
     """After a step: every running request holds cdiv(live KV length, block) blocks in the
     scheduler, the same list as the worker's (``worker_block_ids``). Returns the
     tokens each running request has evicted so far (a check that saw no eviction proves
@@ -167,7 +168,8 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
     sliding-window groups are vLLM's). With speculative decoding (``draft_tokens`` per step) a
     request may also hold the blocks its last step's rejected drafts were written to, and
     those vLLM reserves ahead for a draft model's drafts in every group, as in stock vLLM: up to
-    cdiv(live length + draft_tokens + lookahead, block)."""
+    cdiv(live length + draft_tokens + lookahead, block). ``history`` ({request id: [(tokens
+    computed past the prompt, tokens evicted)]}) gets each running request's pair appended."""
     from vllm.utils.math_utils import cdiv
 
     from h2o_vllm.config import H2OConfig
@@ -189,6 +191,8 @@ def check_block_lists(llm, engine_h2o: dict, block_size: int, draft_tokens: int 
             assert cdiv(kv_len, block_size) <= len(held) <= cdiv(kv_len + slack, block_size), (rid, group, kv_len, len(held))
             assert held == worker_block_ids(runner, rid, group)
         evicted.append(request.num_computed_tokens - kv_len)
+        if history is not None:
+            history.setdefault(rid, []).append((request.num_computed_tokens - prompt_len, evicted[-1]))
     return evicted
 
 

@@ -25,7 +25,11 @@ from h2o_vllm.oracle import H2OOracle
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 BLOCK = 32
-MAX_TOKENS = 48
+#: Enough for every budget below to compact while decoding, between steps with drafts: the
+#: one-block interval (32) of the ratio budget first compacts after 32 decode tokens, so from
+#: 34 tokens on (``_run_matrix`` asserts it); the others compact every 6-10 tokens (interval 1
+#: every step). More tokens repeat the same cycle (48 did: CI time).
+MAX_TOKENS = 36
 DRAFTS = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # Intervals above 1 (room for drafts between compactions), the score modes, chunked prompts;
@@ -72,7 +76,8 @@ def _smollm2_rounds(model_dir, prompts, speculative_config=NGRAM):
                      disable_log_stats=False, additional_config={"h2o": {}}) as llm:
         managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
         groups = [type(m).__name__ for m in managers]
-        return _run_matrix(llm, prompts), _run_matrix(llm, prompts), groups
+        return (_run_matrix(llm, prompts, decode_compactions=True), _run_matrix(llm, prompts, decode_compactions=True),
+                groups)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +93,14 @@ def draft_model_rounds(smollm2_dir, prompts, oracle_outputs):
     return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, draft)
 
 
-def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None, kv_params=None):
+def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKENS, firsts=None, kv_params=None,
+                decode_compactions=False):
     """{budget: outputs} of every budget at once (per-request budgets), block lists checked
     after every step; (drafts, accepted) of the run; the pool drains. With ``firsts`` ({budget: each prompt's first token}) each request continues
     its prompt from that token, as a KV transfer's decoder does, and its outputs start with it.
     ``kv_params`` ({budget: each prompt's ``kv_transfer_params``}): sent as vLLM's P/D proxy
-    sends them."""
+    sends them. ``decode_compactions``: assert that every budget compacted some request after
+    its prompt, while drafts were accepted and rejected around it."""
     scheduler = scheduler_of(llm)
     free_before = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     drafts_before, accepted_before = spec_decode_counts(llm)
@@ -102,10 +109,16 @@ def _run_matrix(llm, prompts, budgets=BUDGETS, block=BLOCK, max_tokens=MAX_TOKEN
     requests = [(p + first, greedy(max_tokens - len(first), extra_args={
                     **extra_args(b), **({"kv_transfer_params": kv} if kv is not None else {})}))
                 for name, b in budgets.items() for p, first, kv in zip(prompts, firsts[name], kv_params[name])]
-    evicted = []
+    evicted, history = [], {}
     outputs = run_steps(llm, [p for p, _ in requests], [params for _, params in requests],
-                        on_step=lambda: evicted.extend(check_block_lists(llm, {}, block, DRAFTS)))
+                        on_step=lambda: evicted.extend(check_block_lists(llm, {}, block, DRAFTS, history)))
     assert max(evicted) > 0, "nothing was evicted: the block checks proved little"
+    if decode_compactions:
+        # A request's evicted count grew from one step to the next once its prompt was in.
+        compacted = {int(rid.rsplit("-", 1)[0]) // len(prompts) for rid, seen in history.items()
+                     if any(past >= 0 and later > now for (past, now), (_, later) in zip(seen, seen[1:]))}
+        assert compacted == set(range(len(budgets))), \
+            f"no compaction while decoding under {sorted(set(budgets) - {list(budgets)[i] for i in compacted})}"
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
     drafts, accepted = spec_decode_counts(llm)
     n = len(prompts)
@@ -184,7 +197,8 @@ def _smollm2_small_drafter_round(model_dir, prompts, speculative_config):
     with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=speculative_config,
                      disable_log_stats=False, additional_config={"h2o": {}}) as llm:
         managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
-        return _run_matrix(llm, prompts, SMALL_DRAFTER_BUDGETS), [type(m).__name__ for m in managers]
+        return (_run_matrix(llm, prompts, SMALL_DRAFTER_BUDGETS, decode_compactions=True),
+                [type(m).__name__ for m in managers])
 
 
 def test_a_smaller_draft_model_splitting_the_target_into_several_h2o_groups_equals_the_oracle(
