@@ -34,7 +34,7 @@ demo: $(STAMP)
 # started once): most of the suite's time is single-threaded (engine start-up, interpreted Triton).
 # The 40 slowest tests close the log: where CI's time goes (docs/development.md).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=40 tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=40 tests
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

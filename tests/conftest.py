@@ -104,3 +104,24 @@ def load_benchmark():
         spec.loader.exec_module(module)
         return module
     return load
+
+
+# pytest-xdist hands each worker one test file at a time (--dist loadfile) and, by default,
+# the files with the most tests first: the engine files with a few long tests then start last
+# and one worker runs them alone while the other idles. The Makefile keeps this order instead
+# (--no-loadscope-reorder): the slowest files first, heaviest first (the `--durations` list at
+# the end of every CI log says which), the other engine and server files next, and the unit
+# files, many and short, last, where they fill in whichever worker frees first.
+SLOWEST_FIRST = ("engine/test_speculative.py", "engine/test_cuda_speculative.py", "engine/test_cuda.py",
+                 "engine/test_benchmarks_run.py", "engine/test_architectures.py")
+
+
+def _file_rank(path: Path) -> tuple[int, int]:
+    relative = path.relative_to(Path(__file__).parent).as_posix()
+    if relative in SLOWEST_FIRST:
+        return 0, SLOWEST_FIRST.index(relative)
+    return (2, 0) if relative.startswith("unit/") else (1, 0)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=lambda item: _file_rank(Path(item.path)))  # stable: a file keeps its order

@@ -313,22 +313,16 @@ def test_switch_refuses_what_it_cannot_run_before_loading(tiny_llama_dir, kwargs
 # as they are, its fp32 score records beside them) are the fp8 matrix engines' (V1 sync and V2
 # async, every budget, hits asserted, tokens the fp8 oracle's): a case of its own here cost CI
 # an engine start and checked no pair of these that the others leave out.
-PREFIX_CASES = [("all-modes-tokens-6+6-interval1", "v1-async", "auto")]
-
-
-@pytest.mark.parametrize("budget, runner, cache_dtype", PREFIX_CASES)
-def test_cuda_prefix_cache_hits_match_the_oracle(tiny_llama_dir, hf_model, budget, runner, cache_dtype):
-    """The CUDA path with prefix caching on: requests sharing a 40-token prefix, one after the
-    other, hit it (the hit copied by vLLM, its scores from a record) and still generate the
-    oracle's tokens, through the fused attention and the record-writing unfused steps."""
-    from h2o_vllm.oracle import FP8_E4M3, StoredKV
-    config = {**BUDGETS, **MODES}[budget]
+def test_cuda_prefix_cache_hits_match_the_oracle(tiny_llama_dir, hf_model):
+    """The CUDA path with prefix caching on (V1, async scheduling, every score mode): requests
+    sharing a 40-token prefix, one after the other, hit it (the hit copied by vLLM, its scores
+    from a record) and still generate the oracle's tokens, through the fused attention and the
+    record-writing unfused steps."""
+    config = MODES["all-modes-tokens-6+6-interval1"]
     shared = random_prompts([40], seed=7)[0]
     prompts = [shared + tail for tail in random_prompts([3, 9, 20], seed=8)]
-    stored = FP8_E4M3 if cache_dtype == "fp8" else StoredKV()
-    expected = oracle(hf_model, config, BLOCK, stored_kv=stored).generate(prompts, MAX_TOKENS)
-    kwargs = dict(enable_prefix_caching=True, async_scheduling=runner.endswith("-async"),
-                  kv_cache_dtype=cache_dtype, env={V2_ENV: "1" if runner.startswith("v2") else "0"})
+    expected = oracle(hf_model, config, BLOCK).generate(prompts, MAX_TOKENS)
+    kwargs = dict(enable_prefix_caching=True, async_scheduling=True, env={V2_ENV: "0"})
     outputs, hits = _serve(serve_one_by_one, tiny_llama_dir, kwargs, prompts, config)
     assert outputs == expected
     assert max(hits) >= 32, hits  # the control: later requests did hit the shared prefix
