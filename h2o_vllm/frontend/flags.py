@@ -53,10 +53,6 @@ def _help(key: str) -> tuple[str, bool]:
     return mode.help, mode.number is float
 
 
-#: H2OConfig key -> flag, as registered at import.
-FLAGS = flags()
-
-
 #: Set on a parser that has the group: argparse lists its groups only in a private attribute.
 _ADDED = "h2o_vllm_flags_added"
 

@@ -91,20 +91,20 @@ _ADDITIONAL = st.one_of(
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kv_eviction=st.sampled_from([None, "none", "h2o", "H2O", ""]),
-       values=st.dictionaries(st.sampled_from(sorted(flags.FLAGS)), _TOKEN_TEXT, max_size=5),
+       values=st.dictionaries(st.sampled_from(sorted(flags.flags())), _TOKEN_TEXT, max_size=5),
        additional=_ADDITIONAL)
 def test_cli_flags_fold_or_fail_cleanly(kv_eviction, values, additional):
     argv = []
     if kv_eviction is not None:
         argv += ["--kv-eviction", kv_eviction]
     for key, text in values.items():
-        argv += [f"{flags.FLAGS[key]}={text}"]
+        argv += [f"{flags.flags()[key]}={text}"]
     if additional is not None:
         argv += ["--additional-config", json.dumps(additional, allow_nan=True)]
     try:
         args = _parser().parse_args(argv)
     except argparse.ArgumentError as exc:
-        assert exc.argument_name in ("--kv-eviction", "--additional-config", *flags.FLAGS.values()), str(exc)
+        assert exc.argument_name in ("--kv-eviction", "--additional-config", *flags.flags().values()), str(exc)
         return
     except SystemExit as exc:  # argparse's own refusal: a usage message and exit status 2
         assert exc.code == 2
