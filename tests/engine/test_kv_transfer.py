@@ -50,11 +50,8 @@ def _params(case: str, max_tokens: int):
 
 def _config(case: str) -> dict:
     """What a request of ``case`` runs with: the engine's config with its overrides."""
-    import dataclasses
-
     from h2o_vllm.config import H2OConfig
-    config = H2OConfig.from_dict(ENGINE_H2O).with_overrides(CASES[case])
-    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
+    return H2OConfig.from_dict(ENGINE_H2O).with_overrides(CASES[case]).to_dict()
 
 
 def _budget(case: str, prompt_len: int):

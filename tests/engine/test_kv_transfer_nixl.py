@@ -55,11 +55,8 @@ def _engine(model_dir, in_process: bool):
 
 
 def _config(case: str) -> dict:
-    import dataclasses
-
     from h2o_vllm.config import H2OConfig
-    config = H2OConfig.from_dict(ENGINE_H2O).with_overrides(CASES[case])
-    return {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
+    return H2OConfig.from_dict(ENGINE_H2O).with_overrides(CASES[case]).to_dict()
 
 
 def _xargs(case: str) -> dict:

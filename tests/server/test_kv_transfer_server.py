@@ -69,7 +69,7 @@ def test_prefill_then_decode_served_equals_the_oracle(pair, tiny_llama_dir):
             assert params and params["h2o_prompt_tokens"] == len(prompt)
             assert params["h2o_kv_tokens"] <= max(len(prompt), budget.tokens + budget.interval)
             rest = _complete(decode, prompt + [token], MAX_TOKENS - 1, xargs).choices[0].token_ids
-            dense = {k: v for k, v in vars(config).items() if v is not None}
+            dense = config.to_dict()
             assert [token, *rest] == oracle(model, dense, BLOCK).generate([prompt], MAX_TOKENS)[0]
     assert "recomputes its prompt" not in decode.tail(200_000)
 
@@ -106,7 +106,7 @@ def check_proxy_protocol(pair, tiny_llama_dir, connector: str) -> None:
                 usage = chunks[-1].usage
             else:
                 tokens, usage = answer.choices[0].token_ids, answer.usage
-            dense = {k: v for k, v in vars(H2OConfig.from_dict(ENGINE_H2O)).items() if v is not None}
+            dense = H2OConfig.from_dict(ENGINE_H2O).to_dict()
             assert tokens == oracle(model, dense, BLOCK).generate([prompt], MAX_TOKENS)[0], (stream, len(prompt))
             assert usage.completion_tokens == MAX_TOKENS and usage.prompt_tokens == len(prompt)
             # The prompt was loaded (vLLM counts loaded tokens as cached), not computed here.
