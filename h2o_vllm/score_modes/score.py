@@ -51,7 +51,8 @@ class Score(ScoreMode):
             keys = " and ".join(f"h2o.{m.key()}" for m in meaningless)
             neutral = ", ".join(f"{m.key()}={m.neutral!r}" for m in meaningless)
             raise ValueError(f"h2o.score {self.score!r} cannot be combined with {keys}: it ranks tokens by "
-                             f"their keys, never by the attention that {keys} weigh(s), so it would "
+                             f"their keys, never by the attention that {keys} "
+                             f"{'weigh' if len(meaningless) > 1 else 'weighs'}, so it would "
                              f"change nothing; leave it unset ({neutral}) or choose score 'h2o'")
 
     def key_scorer(self) -> Scorer | None:

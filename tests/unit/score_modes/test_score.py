@@ -1,0 +1,77 @@
+"""``Score`` (the ``score`` key, a name): config, flag, per-request key, what it cannot combine
+with, and prefix-cache records. The KeyDiff rule itself: test_keydiff.py."""
+import argparse
+
+import pytest
+from vllm.exceptions import VLLMValidationError
+
+from h2o_vllm.config import H2OConfig
+from h2o_vllm.frontend.requests import check_request_overrides
+from h2o_vllm.scheduler.prefix_hits import unrecorded_hit
+from h2o_vllm.score_modes import SCORERS, KeyDiff, Pooling, Score
+
+from flag_parsing import parse, refused
+
+CHOICES = "'h2o', 'keydiff'"
+
+
+def test_the_choices_are_the_scorer_registry_default_first():
+    assert Score.choices() == tuple(s.name for s in SCORERS) == ("h2o", "keydiff")
+    assert Score.neutral == "h2o" and Score.number is str
+
+
+@pytest.mark.parametrize("value", ["KeyDiff", "", "expected_attention", 1])
+def test_an_unknown_score_is_refused_naming_the_choices(value):
+    refused({"score": value}, f"h2o.score must be one of {CHOICES}, got {value!r}")
+
+
+def test_keydiff_resolves_to_its_scorer_and_h2o_to_the_papers_budget():
+    config = H2OConfig.from_dict({"score": "keydiff", "heavy_tokens": 8, "recent_tokens": 8})
+    assert config.score == "keydiff" and config.to_dict()["score"] == "keydiff"
+    budget = config.budget(40, 16)
+    assert budget.key_scorer == KeyDiff() and budget.mode(Score) == Score("keydiff")
+    paper = H2OConfig.from_dict({"score": "h2o", "heavy_tokens": 8, "recent_tokens": 8}).budget(40, 16)
+    assert paper.scoring == () and paper.key_scorer is None  # the paper's arithmetic, unchanged
+    assert H2OConfig().score is None and H2OConfig().budget(40, 16).key_scorer is None
+
+
+@pytest.mark.parametrize("data, keys", [
+    ({"decay": 0.9}, "h2o.decay"), ({"obs_window": 8}, "h2o.obs_window"),
+    ({"decay": 0.5, "obs_window": 2}, "h2o.decay and h2o.obs_window"),
+])
+def test_keydiff_refuses_the_keys_that_only_weigh_attention(data, keys):
+    refused({"score": "keydiff", **data}, f"h2o.score 'keydiff' cannot be combined with {keys}")
+    H2OConfig.from_dict({"score": "h2o", **data})  # the paper's score reads them
+
+
+def test_keydiff_composes_with_neutral_weights_pooling_and_sinks():
+    config = H2OConfig.from_dict({"score": "keydiff", "decay": 1.0, "pool_kernel": 5, "sink_tokens": 2})
+    assert config.budget(100, 16).scoring == (Pooling(5), Score("keydiff"))
+
+
+def test_the_flag_takes_a_name_and_names_the_choices():
+    assert parse(["--h2o-score", "keydiff"]) == {"h2o": {"score": "keydiff"}}
+    with pytest.raises(argparse.ArgumentError, match=r"--h2o-score: invalid choice: 'kd' \(choose from 'h2o', 'keydiff'\)"):
+        parse(["--h2o-score", "kd"])
+    with pytest.raises(ValueError, match="--h2o-decay, --h2o-score: h2o.score 'keydiff' cannot be combined"):
+        parse(["--h2o-score", "keydiff", "--h2o-decay", "0.9"])
+
+
+@pytest.mark.parametrize("engine, extra_args, words", [
+    ({}, {"h2o_score": "kd"}, f"h2o.score must be one of {CHOICES}, got 'kd'"),
+    ({}, {"h2o_score": "keydiff", "h2o_obs_window": 4}, "cannot be combined with h2o.obs_window"),
+    ({"decay": 0.9}, {"h2o_score": "keydiff"}, "cannot be combined with h2o.decay"),
+])
+def test_a_bad_request_score_is_a_client_error(engine, extra_args, words):
+    """Refused the way every bad h2o_* key is: a VLLMValidationError, vLLM's HTTP 400."""
+    with pytest.raises(VLLMValidationError, match=words):
+        check_request_overrides({"h2o": engine}, extra_args)
+    check_request_overrides({"h2o": engine}, {"h2o_score": "keydiff", "h2o_decay": 1.0})
+
+
+def test_keydiff_turns_records_off_and_hits_reach_anywhere():
+    """The ranking reads the keys, which a hit copies: no record is needed, and the zero
+    scores a hit starts from rank nothing (a hit still stops before the first compaction)."""
+    budget = H2OConfig(score="keydiff", heavy_tokens=8, recent_tokens=8).budget(200, 16)
+    assert unrecorded_hit(200, budget) >= 200
+    assert Score("keydiff").record_key() is None and Score("h2o").unrecorded_hit(16) is None
