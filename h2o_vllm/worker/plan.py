@@ -122,7 +122,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
         draft_lens = None
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
                     kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, rank=rank, due=due,
-                    query_starts=starts, key_scorers=key_scorers if any(key_scorers) else (),
+                    query_starts=starts, key_scorers=key_scorers if any(s is not None for s in key_scorers) else (),
                     query_scale=query_scale, query_weights=weights,
                     score_scale=scale, draft_lens=draft_lens)
 

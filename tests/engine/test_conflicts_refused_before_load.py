@@ -35,6 +35,9 @@ def _refused(model_dir, **kwargs) -> str:
      "--kv-transfer-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
     ({"additional_config": {"h2o": {"heavy_tokens": 600, "recent_tokens": 600}}}, "max_model_len=1024"),
+    # A score the registry does not name, and one that cannot combine with a key.
+    ({"additional_config": {"h2o": {"score": "keydif"}}}, "must be one of 'h2o', 'keydiff'"),
+    ({"additional_config": {"h2o": {"score": "keydiff", "obs_window": 32}}}, "cannot be combined with h2o.obs_window"),
 ])
 def test_conflicting_settings_refused_before_loading(tiny_llama_dir, kwargs, words):
     kwargs = {"additional_config": H2O, **kwargs}
