@@ -1,14 +1,19 @@
 """``Score`` (the ``score`` key, a name): config, flag, per-request key, what it cannot combine
 with, and prefix-cache records. The KeyDiff rule itself: test_keydiff.py."""
 import argparse
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
+import torch
 from vllm.exceptions import VLLMValidationError
 
 from h2o_vllm.config import H2OConfig
 from h2o_vllm.frontend.requests import check_request_overrides
 from h2o_vllm.scheduler.prefix_hits import unrecorded_hit
-from h2o_vllm.score_modes import SCORERS, KeyDiff, Pooling, Score
+from h2o_vllm.oracle.cache import LayerCache, SequenceState
+from h2o_vllm.score_modes import SCORERS, KeyDiff, Pooling, Score, Scorer, score
+from h2o_vllm.worker.plan import make_step_plan
 
 from flag_parsing import parse, refused
 
@@ -75,3 +80,32 @@ def test_keydiff_turns_records_off_and_hits_reach_anywhere():
     budget = H2OConfig(score="keydiff", heavy_tokens=8, recent_tokens=8).budget(200, 16)
     assert unrecorded_hit(200, budget) >= 200
     assert Score("keydiff").record_key() is None and Score("h2o").unrecorded_hit(16) is None
+
+
+@dataclass(frozen=True)
+class KeyNorm(Scorer):
+    """Test-only: kvpress's KnormPress, the smallest keys kept."""
+    name: ClassVar[str] = "knorm"
+
+    def scores(self, keys):
+        return -keys.norm(dim=-1)
+
+    def oracle_scores(self, keys):
+        return torch.stack([-keys[:, t].norm(dim=-1) for t in range(keys.shape[1])], dim=-1)
+
+
+def test_a_scorer_added_to_the_registry_reaches_config_flag_request_plan_and_oracle(monkeypatch):
+    """Adding a score (Expected Attention next) is one class in ``score.SCORERS``."""
+    monkeypatch.setattr(score, "SCORERS", (*score.SCORERS, KeyNorm))
+    assert parse(["--h2o-score", "knorm"]) == {"h2o": {"score": "knorm"}}
+    check_request_overrides({"h2o": {}}, {"h2o_score": "knorm"})
+    refused({"score": "kd"}, "h2o.score must be one of 'h2o', 'keydiff', 'knorm', got 'kd'")
+    budget = H2OConfig(score="knorm", heavy_tokens=2, recent_tokens=1, interval=1).budget(6, 16)
+    plan = make_step_plan(torch.tensor([0]), torch.tensor([6]), torch.tensor([6]), [budget])
+    assert plan.key_scorers == (KeyNorm(),) and plan.query_weights is None
+    state = SequenceState(prompt_len=6, budget=budget)
+    keys = torch.tensor([1.0, 5.0, 0.5, 3.0, 0.1, 2.0]).view(1, 6, 1)
+    state.layers.append(LayerCache(1, 1))
+    state.layers[0].append(keys, keys, torch.arange(6))
+    state.num_tokens = 6
+    assert state.compact_if_due() and state.layers[0].positions.tolist() == [[2, 4, 5]]
