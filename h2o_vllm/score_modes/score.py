@@ -49,11 +49,12 @@ class Score(ScoreMode):
                        if m.key() in self.scorer.shapes_attention_only and m.value != m.neutral]
         if meaningless:
             keys = " and ".join(f"h2o.{m.key()}" for m in meaningless)
-            neutral = ", ".join(f"{m.key()}={m.neutral!r}" for m in meaningless)
+            nulls = ", ".join(f"h2o_{m.key()}: null" for m in meaningless)
+            them = "them" if len(meaningless) > 1 else "it"
             raise ValueError(f"h2o.score {self.score!r} cannot be combined with {keys}: it ranks tokens by "
-                             f"their keys, never by the attention that {keys} "
-                             f"{'weigh' if len(meaningless) > 1 else 'weighs'}, so it would "
-                             f"change nothing; leave it unset ({neutral}) or choose score 'h2o'")
+                             f"their keys, never by the attention {keys} "
+                             f"{'weigh' if len(meaningless) > 1 else 'weighs'}, so it would change nothing; "
+                             f"unset {them} (a request may send {nulls}) or choose score 'h2o'")
 
     def key_scorer(self) -> Scorer | None:
         return None if isinstance(self.scorer, AccumulatedAttention) else self.scorer

@@ -4,7 +4,8 @@ device tensors, and the per-layer sequence after attention (docs/semantics.md, "
 Runs in the worker process. ``kv_space_metadata`` runs once per step in a metadata builder;
 ``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
 KV-space slots and attended: zero the scores of the slots just written, add this step's
-probabilities, select each due row's keep-set per head, compact, account the attention mass.
+probabilities, select each due row's keep-set per head (ranked by its scores, or by a score of
+its live keys: ``key_scores``), compact, account the attention mass.
 A device supplies ``DeviceOps``: how to view its cache, accumulate and compact. Imports no
 vLLM, so the whole sequence runs on CPU tensors in unit tests.
 Cache views: keys / values [num_blocks, block_size, num_kv_heads, head_size] (strided views

@@ -35,14 +35,20 @@ def _refused(model_dir, **kwargs) -> str:
      "--kv-transfer-config"),
     ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2"),
     ({"additional_config": {"h2o": {"heavy_tokens": 600, "recent_tokens": 600}}}, "max_model_len=1024"),
-    # A score the registry does not name, and one that cannot combine with a key.
-    ({"additional_config": {"h2o": {"score": "keydif"}}}, "must be one of 'h2o', 'keydiff'"),
-    ({"additional_config": {"h2o": {"score": "keydiff", "obs_window": 32}}}, "cannot be combined with h2o.obs_window"),
 ])
 def test_conflicting_settings_refused_before_loading(tiny_llama_dir, kwargs, words):
     kwargs = {"additional_config": H2O, **kwargs}
     message = _refused(tiny_llama_dir, **kwargs)
     assert words in message and "H2O" in message
+
+
+@pytest.mark.parametrize("h2o, words", [
+    ({"score": "keydif"}, "h2o.score must be one of 'h2o', 'keydiff', got 'keydif'"),
+    ({"score": "keydiff", "obs_window": 32}, "h2o.score 'keydiff' cannot be combined with h2o.obs_window"),
+])
+def test_a_bad_score_is_refused_before_loading(tiny_llama_dir, h2o, words):
+    """An unknown score name, and a score that cannot combine with a key: the config's message."""
+    assert words in _refused(tiny_llama_dir, additional_config={"h2o": h2o})
 
 
 def test_all_sliding_window_model_runs_without_h2o_and_says_so(tiny_llama_dir, tmp_path, monkeypatch):

@@ -71,7 +71,17 @@ def test_a_bad_request_score_is_a_client_error(engine, extra_args, words):
     """Refused the way every bad h2o_* key is: a VLLMValidationError, vLLM's HTTP 400."""
     with pytest.raises(VLLMValidationError, match=words):
         check_request_overrides({"h2o": engine}, extra_args)
-    check_request_overrides({"h2o": engine}, {"h2o_score": "keydiff", "h2o_decay": 1.0})
+    check_request_overrides({"h2o": engine}, {"h2o_score": "keydiff", "h2o_decay": 1.0, "h2o_obs_window": None})
+
+
+def test_a_request_unsets_the_engines_attention_weights_to_run_keydiff():
+    """What the refusal tells a request to do: null unsets an engine-wide key."""
+    from h2o_vllm.config import request_config
+    engine = H2OConfig.from_dict({"decay": 0.9, "obs_window": 32})
+    with pytest.raises(ValueError, match="a request may send h2o_decay: null, h2o_obs_window: null"):
+        request_config(engine, {"h2o_score": "keydiff"})
+    config = request_config(engine, {"h2o_score": "keydiff", "h2o_decay": None, "h2o_obs_window": None})
+    assert config.decay is None and config.obs_window is None and config.score == "keydiff"
 
 
 def test_keydiff_turns_records_off_and_hits_reach_anywhere():
