@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from h2o_vllm import score_modes
-from h2o_vllm.score_modes.base import ScoreMode, integer_at_least, number_in_unit_interval
+from h2o_vllm.score_modes.base import ScoreMode, Scorer, integer_at_least, number_in_unit_interval
 
 #: The paper's default: 10% heavy hitters + 10% recent tokens ("20% budget").
 DEFAULT_RATIO = 0.1
@@ -84,6 +84,8 @@ class H2OConfig:
                 mode.check(value)
                 scoring.append(mode(value))
         object.__setattr__(self, "scoring", tuple(scoring))
+        for mode in scoring:
+            mode.check_with(self.scoring)
         self._check()
 
     def __getattr__(self, name: str) -> Any:
@@ -195,6 +197,12 @@ class Budget:
     def mode(self, mode: type[ScoreMode]) -> ScoreMode | None:
         """This budget's instance of ``mode``, None when it runs without it."""
         return next((m for m in self.scoring if type(m) is mode), None)
+
+    @property
+    def key_scorer(self) -> Scorer | None:
+        """What ranks the heavy candidates from the live keys at every compaction
+        (``ScoreMode.key_scorer``); None: the accumulated attention, the paper's."""
+        return next((s for m in self.scoring if (s := m.key_scorer()) is not None), None)
 
     @property
     def tokens(self) -> int:

@@ -31,6 +31,10 @@ MODES = {
     # order may flip; with 0.85 the smallest top-2 gap over the test's prompts is 3.2e-3.
     "all-modes-tokens-6+6-interval1": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 1,
                                        "decay": 0.85, "sink_tokens": 2, "obs_window": 8},
+    # KeyDiff ranks from the keys at every compaction; pooled at the first, beside sinks (the
+    # modes it composes with; decay and obs_window it refuses).
+    "keydiff-pool-5-sinks-2-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1,
+                                                    "score": "keydiff", "pool_kernel": 5, "sink_tokens": 2},
 }
 
 #: Larger than every sequence in the tests: H2O must then be token-identical to stock vLLM.

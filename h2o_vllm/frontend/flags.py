@@ -45,13 +45,21 @@ def flags() -> dict[str, str]:
     return {key: "--h2o-" + key.replace("_", "-") for key in H2OConfig.keys()}
 
 
-def _help(key: str) -> tuple[str, bool]:
-    """(the flag's help, whether it takes a number with a fraction)."""
+def _help(key: str) -> tuple[str, type]:
+    """(the flag's help, the type of its value: ``float``, ``int`` or ``str``, a name)."""
     mode = score_modes.by_key().get(key)
     if mode is None:
-        return _HELP[key], key in _FLOAT_KEYS
-    return mode.help, mode.number is float
+        return _HELP[key], float if key in _FLOAT_KEYS else int
+    return mode.help, mode.number
 
+
+def _choices(key: str) -> tuple[str, ...] | None:
+    """The valid values of a key whose value is a name (``ScoreMode.choices``)."""
+    mode = score_modes.by_key().get(key)
+    return None if mode is None else mode.choices()
+
+
+_METAVARS = {float: "FLOAT", int: "INT"}
 
 #: Set on a parser that has the group: argparse lists its groups only in a private attribute.
 _ADDED = "h2o_vllm_flags_added"
@@ -62,7 +70,9 @@ class FlagError(ValueError):
 
 
 def _checked(key: str):
-    number = float if _help(key)[1] else int
+    number = _help(key)[1]
+    if number is str:
+        return str  # argparse checks the name against the flag's choices, and names them
 
     def parse(text: str):
         try:
@@ -93,9 +103,10 @@ def add_h2o_args(parser: argparse.ArgumentParser) -> None:
                             "Default: 'h2o' when any --h2o-* flag or an 'h2o' entry of "
                             "--additional-config is given, else 'none'.")
     for key, flag in flags().items():
-        text, fraction = _help(key)
-        group.add_argument(flag, dest=f"h2o_{key}", type=_checked(key), default=None,
-                           metavar="FLOAT" if fraction else "INT", help=text)
+        text, number = _help(key)
+        choices = _choices(key)
+        group.add_argument(flag, dest=f"h2o_{key}", type=_checked(key), default=None, choices=choices,
+                           metavar=_METAVARS[number] if choices is None else None, help=text)
     setattr(parser, _ADDED, True)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h2o_vllm.config import Budget
-from h2o_vllm.score_modes import ScoreMode
+from h2o_vllm.score_modes import ScoreMode, Scorer
 
 
 class LayerCache:
@@ -78,17 +78,21 @@ class LayerCache:
         self._keys, self._values = grown(self._keys), grown(self._values)
         self._positions, self._scores = grown(self._positions), grown(self._scores)
 
-    def compact(self, heavy: int, recent: int, sinks: int = 0, rank: Sequence[ScoreMode] = ()) -> None:
+    def compact(self, heavy: int, recent: int, sinks: int = 0, rank: Sequence[ScoreMode] = (),
+                key_scorer: Scorer | None = None) -> None:
         """Keep, per KV head, the ``sinks`` first live tokens, the ``recent`` newest ones and the
         ``heavy`` highest-scored of the rest (ties keep the more recent token, see Eviction);
         order and scores move along. The first live slots are the first logical tokens: sinks
         are never evicted and compaction preserves order. ``rank``: score modes that rank the
-        rest by ``ScoreMode.oracle_rank`` instead; kept scores are their own."""
+        rest by ``ScoreMode.oracle_rank`` instead; kept scores are their own. ``key_scorer``: the
+        candidates are ranked by ``Scorer.oracle_scores`` of every live key instead of the
+        accumulated scores (KeyDiff), before ``rank``."""
         n = self.kv_len
         if sinks + heavy + recent >= n:
             return
         num_candidates = n - recent  # slots [sinks, num_candidates) compete for the heavy part
-        candidates = self.scores[:, sinks:num_candidates]  # [num_kv_heads, n - sinks - recent]
+        ranked = self.scores if key_scorer is None else key_scorer.oracle_scores(self.keys)
+        candidates = ranked[:, sinks:num_candidates]  # [num_kv_heads, n - sinks - recent]
         for mode in rank:
             candidates = mode.oracle_rank(candidates)
         # Sorting the reversed candidates stably puts, among equal scores, the newer token first.
@@ -144,7 +148,7 @@ class SequenceState:
         # A mode ranks only the first compaction, the one that compresses the prompt.
         rank = budget.scoring if self.kv_len == self.num_tokens else ()
         for layer in self.evicting:
-            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, rank)
+            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, rank, budget.key_scorer)
         return True
 
     def query_scale(self) -> float:

@@ -95,7 +95,8 @@ class H2OOracle:
       in order, each does ``s(t) <- a * s(t) + w_i * p_i(t)`` for every live token
       (``attend_and_score``; ``a``: ``SequenceState.query_scale``, ``w_i``: ``query_weight``),
       and the first compaction ranks by ``ScoreMode.oracle_rank``; with ``a = 1`` and every
-      weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged.
+      weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged. With
+      ``score: keydiff`` every compaction ranks by ``KeyDiff.oracle_scores`` of the live keys.
 
     - ``prefill_chunk``: the prompt is written one chunk per step (``prefill``), the cadence
       checked after each, so a chunk's queries attend over what earlier chunks kept.

@@ -3,14 +3,17 @@
 Pure: stdlib and torch; below ``config``, which takes its mode keys from here. ``MODES`` is the
 registry, in the order the keys are listed, checked and applied; the generic code reads it
 through ``modes()`` at each call, so a mode added to it reaches config parsing, the flags, the
-step plan, the records and the oracle without another module naming it.
+step plan, the records and the oracle without another module naming it. The ``score`` key's
+choices have a registry of their own, ``score.SCORERS``.
 """
-from h2o_vllm.score_modes.base import ScoreMode, StepQueries
+from h2o_vllm.score_modes.base import ScoreMode, Scorer, StepQueries
 from h2o_vllm.score_modes.decay import Decay
+from h2o_vllm.score_modes.keydiff import KeyDiff
 from h2o_vllm.score_modes.obs_window import ObsWindow
 from h2o_vllm.score_modes.pooling import Pooling
+from h2o_vllm.score_modes.score import SCORERS, AccumulatedAttention, Score
 
-MODES: tuple[type[ScoreMode], ...] = (Decay, ObsWindow, Pooling)
+MODES: tuple[type[ScoreMode], ...] = (Decay, ObsWindow, Pooling, Score)
 
 
 def modes() -> tuple[type[ScoreMode], ...]:
@@ -21,4 +24,5 @@ def by_key() -> dict[str, type[ScoreMode]]:
     return {mode.key(): mode for mode in MODES}
 
 
-__all__ = ["MODES", "Decay", "ObsWindow", "Pooling", "ScoreMode", "StepQueries", "by_key", "modes"]
+__all__ = ["MODES", "SCORERS", "AccumulatedAttention", "Decay", "KeyDiff", "ObsWindow", "Pooling", "Score",
+           "ScoreMode", "Scorer", "StepQueries", "by_key", "modes"]

@@ -7,11 +7,15 @@ changes, each as a hook that the generic code calls for every registered mode
 (``score_modes.MODES``), and whose default changes nothing:
 
 - config: ``check`` (the range and its message), ``neutral`` (the value that is the paper's
-  rule: a budget drops a mode set to it, so the paper's arithmetic runs unchanged), ``help``;
+  rule: a budget drops a mode set to it, so the paper's arithmetic runs unchanged), ``help``,
+  ``choices`` (a key whose value is a name: the valid names, for the flag and the messages),
+  ``check_with`` (the other modes set that it cannot combine with);
 - the engine's step plan, vectorised over a batch whose rows each have their own value
   (``neutral`` where unset): ``query_factors`` and ``score_scales``, the two terms of the
   fused update ``s <- score_scale[row] * s + sum_i query_weight[i] * p_i`` (the kernels take
   only those); ``rank``, how the first compaction ranks the heavy candidates;
+  ``key_scorer``, what replaces the accumulated scores at every compaction with a score read
+  from the live keys (``Scorer``: KeyDiff), None for the accumulated attention;
 - prefix-cache records: ``record_key`` (what a prefix's scores depend on) and
   ``unrecorded_hit`` (records off, and how far a hit may reach without one);
 - the dense oracle: ``oracle_query_scale``, ``oracle_query_weight`` and ``oracle_rank``, the
@@ -19,8 +23,8 @@ changes, each as a hook that the generic code calls for every registered mode
   the tests holding the engine to the oracle compare two statements (docs/semantics.md, "The
   oracle").
 
-A mode that scores from keys rather than from attention (KeyDiff, Expected Attention) adds its
-own hooks here, with defaults that change nothing, and the generic code calls them the same way.
+A score read from the keys rather than from attention (KeyDiff; later Expected Attention) is a
+``Scorer``, one small class each, chosen by the ``score`` key (``score_modes.score``).
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ class StepQueries:
 class ScoreMode:
     #: The flag's help (``frontend.flags``); its metavar and parser follow ``number``.
     help: ClassVar[str] = ""
-    #: ``float`` or ``int``: the type of the value.
+    #: ``float``, ``int`` or ``str`` (a name among ``choices()``): the type of the value.
     number: ClassVar[type] = int
     #: The value that changes nothing; in a tensor of rows, the value of a row without the mode.
     neutral: ClassVar[Any] = None
@@ -67,6 +71,15 @@ class ScoreMode:
     @classmethod
     def check(cls, value: Any) -> None:
         """Raise ``ValueError`` naming ``h2o.<key>`` when ``value`` is out of range."""
+
+    @classmethod
+    def choices(cls) -> tuple[str, ...] | None:
+        """The valid values of a key whose value is a name (``number`` is ``str``); None: a number."""
+        return None
+
+    def check_with(self, scoring: tuple[ScoreMode, ...]) -> None:
+        """Raise ``ValueError`` naming the keys when this mode cannot combine with the others set
+        (``scoring``: every mode of the config, this one included, in registry order)."""
 
     # -- the engine's step plan: ``values`` [num_reqs], each row's value (``neutral`` where unset)
 
@@ -86,6 +99,11 @@ class ScoreMode:
         """[..., m] the rank score of each heavy candidate at a sequence's first compaction
         (candidates: live slots between the sinks and the recent window, in order)."""
         return candidates
+
+    def key_scorer(self) -> Scorer | None:
+        """What ranks the heavy candidates at every compaction instead of the accumulated
+        scores, from the row's live keys; None: the accumulated scores (the paper's)."""
+        return None
 
     # -- prefix-cache records (scheduler/prefix_hits.py)
 
@@ -111,6 +129,28 @@ class ScoreMode:
     def oracle_rank(self, candidates: torch.Tensor) -> torch.Tensor:
         """``rank`` as the oracle states it."""
         return candidates
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A score of the live tokens read from their keys (``views.keys`` on the worker, the
+    oracle's ``LayerCache.keys``), computed at a row's compaction to rank its heavy candidates;
+    one small class per choice of the ``score`` key (``score_modes.score.SCORERS``)."""
+
+    #: The ``score`` value that chooses it.
+    name: ClassVar[str] = ""
+    #: The keys of the score modes that only shape the accumulated attention: meaningless
+    #: when this scorer ranks, so refused at any other value than their neutral one.
+    shapes_attention_only: ClassVar[tuple[str, ...]] = ()
+
+    def scores(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys: [..., kv_len, head_size] fp32, a row's live keys per (layer, KV head) in slot
+        order. Returns [..., kv_len] fp32: higher is kept first (``policy.select_keep``)."""
+        raise NotImplementedError
+
+    def oracle_scores(self, keys: torch.Tensor) -> torch.Tensor:
+        """``scores`` as the oracle states it (keys: [num_kv_heads, kv_len, head_size] fp32)."""
+        raise NotImplementedError
 
 
 def integer_at_least(key: str, value: Any, low: int) -> None:

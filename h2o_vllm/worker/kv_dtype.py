@@ -21,6 +21,13 @@ class StoredKVReads:
         self.fp8_dtype = fp8_dtype  # an fp8 cache's element type; None: unquantised
         self.k_scale = self.v_scale = 1.0
 
+    def read_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """fp32 keys gathered from the cache (any shape), as the attention reads them: an fp8
+        cache's as ``fp8 * k_scale`` (exact for the tests' scale 1.0: e4m3 converts to fp32
+        exactly), an unquantised cache's as stored."""
+        keys = keys.to(torch.float32)
+        return keys if self.fp8_dtype is None else keys * self.k_scale
+
     def read_scales(self, layer) -> None:
         """The layer's fp8 scales, at each forward (``layer``: vLLM's attention layer)."""
         if self.fp8_dtype is not None:

@@ -20,7 +20,7 @@ from h2o_vllm import metrics, score_modes
 from h2o_vllm.budgets import RequestBudgets
 from h2o_vllm.config import Budget
 from h2o_vllm.policy import chunk_end, first_compaction, live_kv_len, prompt_chunk
-from h2o_vllm.score_modes import ScoreMode, StepQueries
+from h2o_vllm.score_modes import ScoreMode, Scorer, StepQueries
 from h2o_vllm.worker.prefix_records import prefix_plan
 
 
@@ -38,6 +38,9 @@ class StepPlan:
     rank: tuple[tuple[ScoreMode, ...], ...]
     due: torch.Tensor              # bool: rows compacted at the end of this step
     query_starts: torch.Tensor     # first token of each row in the batch
+    # What ranks each row's heavy candidates from its live keys at every compaction
+    # (``Budget.key_scorer``; None: the accumulated scores); () when no row has one.
+    key_scorers: tuple[Scorer | None, ...] = ()
     # The score modes' terms (h2o_vllm.score_modes; docs/score-modes.md). A row whose queries
     # sit at logical positions a..b updates each live token t as
     #   s(t) <- score_scale[row] * s(t) + sum_i query_weights[i] * p_i(t),
@@ -102,6 +105,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     chunk = prompt_chunk(prompt_lens, chunk)
     first = (num_computed < first_compaction(prompt_lens, budget_tokens, interval, chunk)).tolist()
     rank = tuple(tuple(m for m in b.scoring if m.ranks) if f else () for b, f in zip(budgets, first))
+    key_scorers = tuple(b.key_scorer for b in budgets)
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval, chunk)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval, chunk)
     seq_lens = before + query_lens
@@ -118,7 +122,8 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
         draft_lens = None
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
                     kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, rank=rank, due=due,
-                    query_starts=starts, query_scale=query_scale, query_weights=weights,
+                    query_starts=starts, key_scorers=key_scorers if any(s is not None for s in key_scorers) else (),
+                    query_scale=query_scale, query_weights=weights,
                     score_scale=scale, draft_lens=draft_lens)
 
 
@@ -145,6 +150,8 @@ def _mode_values(budgets: Sequence[Budget]):
     """(mode, [num_reqs] each row's value, ``neutral`` where unset) of each registered score
     mode some row runs with."""
     for mode in score_modes.modes():
+        if mode.choices() is not None:  # a name, not a number: it has no terms (ScoreMode.key_scorer)
+            continue
         mine = [b.mode(mode) for b in budgets]
         if any(m is not None for m in mine):
             dtype = torch.float64 if mode.number is float else torch.int64

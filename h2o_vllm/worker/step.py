@@ -4,7 +4,8 @@ device tensors, and the per-layer sequence after attention (docs/semantics.md, "
 Runs in the worker process. ``kv_space_metadata`` runs once per step in a metadata builder;
 ``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
 KV-space slots and attended: zero the scores of the slots just written, add this step's
-probabilities, select each due row's keep-set per head, compact, account the attention mass.
+probabilities, select each due row's keep-set per head (ranked by its scores, or by a score of
+its live keys: ``key_scores``), compact, account the attention mass.
 A device supplies ``DeviceOps``: how to view its cache, accumulate and compact. Imports no
 vLLM, so the whole sequence runs on CPU tensors in unit tests.
 Cache views: keys / values [num_blocks, block_size, num_kv_heads, head_size] (strided views
@@ -20,7 +21,7 @@ import torch
 
 from h2o_vllm import metrics
 from h2o_vllm.policy import select_keep
-from h2o_vllm.score_modes import ScoreMode
+from h2o_vllm.score_modes import ScoreMode, Scorer
 from h2o_vllm.worker import prefix_records
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
@@ -28,7 +29,8 @@ from h2o_vllm.worker.prefix_records import PrefixStep
 
 @dataclass(frozen=True)
 class DueGroup:
-    """Due rows that share (kv_len, sink_tokens, heavy, target, rank): one select_keep and one compaction."""
+    """Due rows that share (kv_len, sink_tokens, heavy, target, rank, key_scorer): one select_keep
+    and one compaction."""
     rows: torch.Tensor      # [R] int64, device: batch rows
     blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
     offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
@@ -36,6 +38,7 @@ class DueGroup:
     heavy: int
     target: int
     rank: tuple[ScoreMode, ...]  # the score modes that rank the heavy candidates (StepPlan.rank)
+    key_scorer: Scorer | None = None  # ranks from the live keys instead of the scores (StepPlan.key_scorers)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,10 @@ class DeviceOps(Protocol):
 
     def read_scales(self, layer) -> None:
         """Take the layer's fp8 KV scales for this forward (``worker.kv_dtype``)."""
+
+    def read_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys gathered from ``cache_views(...).keys`` in fp32, as the attention reads them
+        (``worker.kv_dtype``: an fp8 cache's dequantised)."""
 
     def cache_views(self, kv_cache: torch.Tensor) -> Any:
         """An object with ``keys`` and ``values``: [num_blocks, block_size, num_kv_heads, head_size]."""
@@ -184,18 +191,20 @@ def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
 
 def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
     device = block_table.device
-    groups: dict[tuple[int, int, int, int, tuple[ScoreMode, ...]], list[int]] = {}
+    groups: dict[tuple[int, int, int, int, tuple[ScoreMode, ...], Scorer | None], list[int]] = {}
     for row in plan.due.nonzero().flatten().tolist():
         key = (int(plan.kv_seq_lens[row]), int(plan.sink_tokens[row]), int(plan.heavy[row]),
-               int(plan.kv_lens_after[row]), plan.rank[row])
+               int(plan.kv_lens_after[row]), plan.rank[row],
+               plan.key_scorers[row] if plan.key_scorers else None)
         groups.setdefault(key, []).append(row)
     out = []
-    for (kv_len, sink_tokens, heavy, target, rank), rows in groups.items():
+    for (kv_len, sink_tokens, heavy, target, rank, key_scorer), rows in groups.items():
         pos = torch.arange(kv_len)
         rows_d = _to(torch.tensor(rows), device)
         blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
         out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
-                            sink_tokens=sink_tokens, heavy=heavy, target=target, rank=rank))
+                            sink_tokens=sink_tokens, heavy=heavy, target=target, rank=rank,
+                            key_scorer=key_scorer))
     return tuple(out)
 
 
@@ -251,12 +260,20 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
-        keep = select_keep(live, group.heavy, group.target - group.sink_tokens - group.heavy,
+        ranked = live if group.key_scorer is None else key_scores(group, ops, views)
+        keep = select_keep(ranked, group.heavy, group.target - group.sink_tokens - group.heavy,
                            group.sink_tokens, group.rank)                             # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
         ops.compact(views, scores, step.compact_table, group.rows, keep)
     return mass
+
+
+def key_scores(group: DueGroup, ops: DeviceOps, views: Any) -> torch.Tensor:
+    """[R, Hkv, kv_len] fp32: the group's key score of each live slot (docs/semantics.md,
+    "KeyDiff"), from the keys the attention read, gathered as ``live`` is."""
+    keys = views.keys[group.blocks, group.offsets[None, :]]  # [R, kv_len, Hkv, head_size]
+    return group.key_scorer.scores(ops.read_keys(keys).transpose(1, 2))
 
 
 class DeferredMass:

@@ -42,6 +42,15 @@ def test_conflicting_settings_refused_before_loading(tiny_llama_dir, kwargs, wor
     assert words in message and "H2O" in message
 
 
+@pytest.mark.parametrize("h2o, words", [
+    ({"score": "keydif"}, "h2o.score must be one of 'h2o', 'keydiff', got 'keydif'"),
+    ({"score": "keydiff", "obs_window": 32}, "h2o.score 'keydiff' cannot be combined with h2o.obs_window"),
+])
+def test_a_bad_score_is_refused_before_loading(tiny_llama_dir, h2o, words):
+    """An unknown score name, and a score that cannot combine with a key: the config's message."""
+    assert words in _refused(tiny_llama_dir, additional_config={"h2o": h2o})
+
+
 def test_all_sliding_window_model_runs_without_h2o_and_says_so(tiny_llama_dir, tmp_path, monkeypatch):
     """Every layer slides (Mistral's window): H2O has nothing to evict, so the engine config
     comes out with H2O off for every process, and a warning names the way to have it on (the

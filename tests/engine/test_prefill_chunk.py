@@ -33,7 +33,9 @@ CASES = [("tokens-8+8-interval1", 8), ("tokens-8+8-interval1", 24), ("tokens-8+8
          ("ratio-0.1+0.1-block", 24), ("ratio-0.1+0.1-block", 64),
          ("local-0+0.2-interval1", 8), ("local-0+0.2-interval1", 64),
          ("all-modes-tokens-6+6-interval1", 8), ("all-modes-tokens-6+6-interval1", 24),
-         ("pool-5-window-8-tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-interval1", 64)]
+         ("pool-5-window-8-tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-interval1", 64),
+         # KeyDiff ranks the live keys at each chunk's compaction: one chunk size is enough.
+         ("keydiff-pool-5-sinks-2-tokens-8+8-interval1", 24)]
 
 
 def _budget(name: str, chunk: int) -> dict:

@@ -1,6 +1,6 @@
 """The score modes' shared matrix (kvpress's ``default_presses``): each mode at a few values,
 alone and combined, that the generic tests run over."""
-from h2o_vllm.score_modes import Decay, ObsWindow, Pooling
+from h2o_vllm.score_modes import Decay, ObsWindow, Pooling, Score
 
 #: name -> the modes a budget runs with.
 MODES = {
@@ -11,6 +11,8 @@ MODES = {
     "pool-3": (Pooling(3),),
     "pool-15": (Pooling(15),),
     "decay+window+pool": (Decay(0.8), ObsWindow(3), Pooling(5)),
+    "keydiff": (Score("keydiff"),),
+    "keydiff+pool": (Pooling(5), Score("keydiff")),
 }
 
 #: (num_computed, query_len, prompt_len, prefill_chunk): prompts whole and in chunks, a step

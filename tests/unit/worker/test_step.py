@@ -18,9 +18,10 @@ from h2o_vllm.oracle.cache import query_weight as oracle_query_weight
 from h2o_vllm.config import Budget  # noqa: E402
 from h2o_vllm.worker import step as worker_step  # noqa: E402
 from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
-from h2o_vllm.worker.cuda.ops import TritonOps  # noqa: E402
+from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps  # noqa: E402
+from h2o_vllm.oracle.cache import LayerCache  # noqa: E402
 from h2o_vllm.worker.plan import kv_slot_mapping  # noqa: E402
-from h2o_vllm.score_modes import Decay, ObsWindow
+from h2o_vllm.score_modes import Decay, KeyDiff, ObsWindow, Pooling, Score
 
 if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no GPU", allow_module_level=True)
@@ -99,7 +100,9 @@ PAPER = Budget(4, 4, 4)
 # test: paper H2O, or one row weighted (decay, observation window, sinks) beside a paper row.
 BUDGETS = {"paper": (PAPER, PAPER),
            "decay-sinks": (Budget(4, 4, 4, sink_tokens=2, scoring=(Decay(0.9),)), PAPER),
-           "window": (PAPER, Budget(4, 4, 4, sink_tokens=1, scoring=(Decay(0.8), ObsWindow(7))))}
+           "window": (PAPER, Budget(4, 4, 4, sink_tokens=1, scoring=(Decay(0.8), ObsWindow(7)))),
+           # KeyDiff ranks from the keys each device gathers from its own layout.
+           "keydiff-pool": (Budget(4, 4, 4, sink_tokens=1, scoring=(Pooling(3), Score("keydiff"))), PAPER)}
 
 
 @pytest.mark.parametrize("budgets", list(BUDGETS))
@@ -121,7 +124,7 @@ def test_one_layer_steps_agree_across_devices(group, fused, budgets):
     for step_rows in schedule:
         plan = batch_plan([c for c, _ in step_rows], [q for _, q in step_rows], prompts,
                           budgets=BUDGETS[budgets])
-        assert plan.weighted == (budgets != "paper")
+        assert plan.weighted == (budgets not in ("paper", "keydiff-pool"))
         num_tokens = int(plan.query_lens.sum())
         query = torch.randn(num_tokens + 3, num_kv_heads * group, head_size, device=DEVICE)  # padded
         new_k = torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE)
@@ -171,6 +174,46 @@ def test_compaction_keeps_recent_plus_top_heavy_per_head():
         assert torch.equal(cache.views.keys[blk, :4, head], keys[blk, positions, head])
         assert torch.equal(cache.views.values[blk, :4, head], values[blk, positions, head])
     assert mass.tolist() == [30.0, 30.0]  # everything with a score was kept
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_keydiff_compaction_keeps_what_the_oracle_keeps(fp8):
+    """Two due rows (a prompt's first compaction, pooled; a decode step's, not), keys in the
+    cache, scores irrelevant: each head keeps what the oracle's ``LayerCache.compact`` keeps
+    from the same keys (an fp8 cache's read as fp8 * k_scale, as the oracle's stored_kv gives
+    them back)."""
+    budget = Budget(3, 3, 4, sink_tokens=1, scoring=(Pooling(3), Score("keydiff")))
+    plan = batch_plan([0, 14], [20, 1], [20, 9], budgets=[budget, budget])
+    assert plan.due.tolist() == [True, True] and plan.rank == ((Pooling(3),), ())
+    assert plan.key_scorers == (KeyDiff(), KeyDiff())
+    table = block_table(2, 2, device="cpu")
+    num_kv_heads, head_size, k_scale = 2, 32, 0.5
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(int(table.max()) + 1, BLOCK, num_kv_heads, head_size, generator=gen)
+    ops = TritonOps(head_size, torch.float8_e4m3fn if fp8 else None)
+    if fp8:
+        ops.k_scale = k_scale
+        keys = (keys / k_scale).to(torch.float8_e4m3fn)
+    values = torch.zeros_like(keys)
+    stored = keys.float() * k_scale if fp8 else keys.clone()  # what attention (and the oracle) reads
+
+    class NoScoring(TritonOps):
+        def accumulate(self, *args):  # the scores rank nothing here
+            pass
+    ops.__class__ = NoScoring
+    step = worker_step.make_step(plan, table, kv_slot_mapping(plan, table, 21, BLOCK), BLOCK)
+    scores = torch.rand(keys.shape[0], num_kv_heads, BLOCK, generator=gen)
+    worker_step.update_scores_and_compact(step, ops, torch.zeros(21, 2, head_size),
+                                          TritonCacheViews(keys, values), scores, 1.0)
+    for row, first in ((0, True), (1, False)):
+        kv_len, target = int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row])
+        pos = torch.arange(kv_len)
+        blocks, offsets = table[row].long()[pos // BLOCK], pos % BLOCK
+        cache = LayerCache(num_kv_heads, head_size)
+        cache.append(stored[blocks, offsets].transpose(0, 1), torch.zeros(num_kv_heads, kv_len, head_size), pos)
+        cache.compact(3, target - 4, 1, budget.scoring if first else (), KeyDiff())
+        kept = keys[blocks[:target], offsets[:target]].float().transpose(0, 1)
+        assert torch.equal(kept * (k_scale if fp8 else 1.0), cache.keys), row
 
 
 def dense_step(old, keys, query, start, budget, prompt_len, group, scale):
