@@ -47,6 +47,8 @@ def plot(result: dict, path: Path) -> None:
     from matplotlib.lines import Line2D
 
     pols = [e for e in result["policies"].values() if e["policy"] != "full"]
+    if not pols:  # the full cache alone: nothing to draw against it
+        return
     chunks = sorted({split(e["policy"])[1] for e in pols}, key=lambda c: (c is not None, c or 0))
     names = list(dict.fromkeys(split(e["policy"])[0] for e in pols))
     colors = {p: f"C{i % 10}" for i, p in enumerate(names)}

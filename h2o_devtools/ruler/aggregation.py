@@ -14,7 +14,7 @@ CWE_INTRO = ("Below is a numbered list of words. In these words, some appear mor
 
 
 def common_words(rng: random.Random, haystack: Haystack, num_tokens: int, length: Length, *,
-                 num_common: int = 3, common_freq: int = 8, rare_freq: int = 2) -> Sample:
+                 num_common: int = 3, common_freq: int = 16, rare_freq: int = 2) -> Sample:
     """``num_common`` words ``common_freq`` times each among rare words ``rare_freq`` times each,
     shuffled into a numbered list of about ``num_tokens`` tokens; the answer is the common words.
     RULER's default is 10 words x 30 against x 3; a 135M model needs fewer, more frequent ones."""

@@ -21,7 +21,8 @@ def variable_name(rng: random.Random) -> str:
 def variable_tracking(rng: random.Random, haystack: Haystack, num_tokens: int, length: Length, *,
                       num_hops: int = 2) -> Sample:
     """``VAR A = 123456.`` then ``num_hops`` copies (``VAR B = VAR A.`` ...) in order at seeded
-    depths; the answer is every variable of the chain."""
+    depths; the answer is every variable of the chain. The answer starts with "VAR": without it
+    SmolLM2-135M with the full cache numbers an empty list instead ("1. 2. 3.")."""
     names = []
     while len(names) < num_hops + 1:
         name = variable_name(rng)
@@ -32,7 +33,7 @@ def variable_tracking(rng: random.Random, haystack: Haystack, num_tokens: int, l
     depths = sorted(rng.random() for _ in statements)
     tail = (f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above. "
             f"Answer: According to the chain of variable assignments in the text above, "
-            f"{len(names)} variables are assigned the value {value}, they are:")
+            f"{len(names)} variables are assigned the value {value}, they are: VAR")
     fixed = length(VT_INTRO + tail) + sum(length(s) + 1 for s in statements)
     window = haystack.window(rng, max(1, num_tokens - fixed))
     prompt = VT_INTRO + insert(window, list(zip(depths, statements))) + tail

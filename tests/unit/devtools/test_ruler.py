@@ -71,7 +71,7 @@ def test_the_common_words_are_the_most_common(haystack):
     s = ruler.TASKS["cwe"](random.Random(0), ruler.Haystack(text, words), 200, words)
     listing = [line.split(". ", 1)[1] for line in s.prompt.splitlines() if line[:1].isdigit()]
     counts = {w: listing.count(w) for w in set(listing)}
-    assert all(counts[w] == 8 for w in s.answers)
+    assert all(counts[w] == 16 for w in s.answers)
     assert max(c for w, c in counts.items() if w not in s.answers) == 2
 
 
