@@ -132,8 +132,9 @@ def run_with_progress(job: dict, stem: Path, env: dict, what: str, bar: tqdm) ->
     while proc.poll() is None:
         time.sleep(2)
         now = len(Path(job["progress"]).read_text().splitlines())
-        bar.update(now - done)
-        done = now
+        if now > done:  # update(0) would redraw the bar: a line every 2 s in a log file
+            bar.update(now - done)
+            done = now
     Path(job["progress"]).unlink()
     return bench.child_result(job, stem, what, proc.returncode)
 

@@ -18,16 +18,18 @@ KEYS = ("apple", "river", "falcon", "lantern", "meadow", "copper", "violin", "ha
         "juniper", "kettle", "lemur", "marble", "nutmeg", "otter", "quartz", "raven", "sparrow")
 NAMES = ("Alma", "Bruno", "Celia", "Dmitri", "Edith", "Farid", "Greta", "Hugo", "Ines", "Jonas",
          "Kira", "Lucas", "Mirela", "Nils", "Olga", "Pavel", "Rosa", "Stefan", "Tamsin", "Ugo")
-CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Dublin", "Quito", "Krakow", "Adelaide",
-          "Marseille", "Tbilisi", "Montreal", "Bergen", "Valencia", "Osaka", "Tallinn", "Porto",
-          "Cusco", "Zagreb", "Halifax")
+#: Syllables of the invented names the fact question asks for: a real word (a city) is one token
+#: to Gemma 3, and a prompt held whole gives its first answer token the full cache (eviction
+#: comes after the prompt), so a one-token answer would measure nothing.
+SYLLABLES = ("vor", "lan", "tix", "qua", "mer", "bos", "del", "fin", "gar", "hol", "jun", "kes", "lom",
+             "nar", "pel", "ruk", "sil", "tam", "vex", "zor")
 
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to "
               "memorize them. I will quiz you about the numbers afterwards.\n\n")
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QA_INTRO = "Read the following text and answer the question about it.\n\n"
-FACT = "{name} lives in the city of {city}."
-QA_QUESTION = "\n\nQuestion: In which city does {name} live?\nAnswer: {name} lives in the city of"
+FACT = "{name}'s cat is called {pet}."
+QA_QUESTION = "\n\nQuestion: What is the name of {name}'s cat?\nAnswer: {name}'s cat is called"
 
 #: The depth of the fact for each position of the fact question (0: first, 1: last).
 POSITIONS = {"start": 0.0, "middle": 0.5, "end": 1.0}
@@ -66,8 +68,10 @@ def niah(rng: random.Random, haystack: Haystack, num_tokens: int, length: Length
 
 
 def fact_qa(rng: random.Random, haystack: Haystack, num_tokens: int, length: Length, *, position: str) -> Sample:
-    """A one-sentence fact at ``POSITIONS[position]``, asked about at the end."""
-    name, city = rng.choice(NAMES), rng.choice(CITIES)
-    placed = [(POSITIONS[position], FACT.format(name=name, city=city))]
+    """A one-sentence fact at ``POSITIONS[position]``, asked about at the end; the answer is an
+    invented three-syllable name."""
+    name = rng.choice(NAMES)
+    pet = "".join(rng.choice(SYLLABLES) for _ in range(3)).capitalize()
+    placed = [(POSITIONS[position], FACT.format(name=name, pet=pet))]
     prompt = _context(haystack, rng, QA_INTRO, QA_QUESTION.format(name=name), placed, num_tokens, length)
-    return Sample(f"qa_{position}", prompt, (city,), 8)
+    return Sample(f"qa_{position}", prompt, (pet,), 10)

@@ -55,7 +55,7 @@ def test_a_distractor_key_is_not_the_asked_one(haystack):
 def test_the_fact_sits_where_its_task_says(haystack, position, where):
     s = ruler.samples(f"qa_{position}", 1, 0, haystack, 300, words)[0]
     context = s.prompt.split("\n\n")[1]
-    fact = context.index(f"lives in the city of {s.answers[0]}.")
+    fact = context.index(f"'s cat is called {s.answers[0]}.")
     assert abs(fact / len(context) - where) < 0.05
 
 
