@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--omp-threads", default="1", help="OMP_NUM_THREADS ('' = leave unset); see throughput.py")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="default benchmarks/results/<date>-<host>-quality-suite")
+    p.add_argument("--rescore", default=None, metavar="DIR",
+                   help="score DIR/quality_suite.json's outputs again (scorer or table changed), no engine")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one vLLM engine
     return p.parse_args(argv)
 
@@ -156,8 +158,9 @@ def main(argv=None) -> dict:
         from h2o_devtools import bench
         bench.run_job_file(args.one, run_engine)
         return {}
+    if args.rescore:
+        return rescore(Path(args.rescore))
     from h2o_devtools import bench, models
-    from h2o_devtools.ruler import summary
 
     model = str(models.model_dir(args.model))
     host = socket.gethostname()
@@ -183,8 +186,6 @@ def main(argv=None) -> dict:
                "result": str(out / "logs" / f"suite-{name}.part.json"),
                "progress": str(out / "logs" / f"suite-{name}.progress")}
         outputs.update(run_with_progress(job, out / "logs" / f"suite-{name}", env, f"{name} engine", bar))
-    for label, entry in summary.scores(outputs).items():
-        result["policies"][label].update(entry)
     if "ppl" in args.tasks.split(","):
         bar.set_postfix_str("streaming perplexity (oracle)")
         for label, per_text in ppl_task(args, model, suite_labels, bar).items():
@@ -193,12 +194,24 @@ def main(argv=None) -> dict:
     result["outputs"] = outputs
     result["meta"]["loadavg_after"] = os.getloadavg()
     result["meta"]["elapsed_s"] = time.perf_counter() - started
+    return write(result, out)
+
+
+def write(result: dict, out: Path) -> dict:
+    """Score the outputs; write the JSON, the table and the plot."""
+    from h2o_devtools.ruler import summary
+    for label, entry in summary.scores(result["outputs"]).items():
+        result["policies"][label].update(entry)
     (out / "quality_suite.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "quality_suite.md").write_text(report.markdown_table(result))
     report.plot(result, out / "quality_suite.png")
     print(report.markdown_table(result))
     print(f"wrote {out / 'quality_suite.json'}, {out / 'quality_suite.md'} and {out / 'quality_suite.png'}")
     return result
+
+
+def rescore(out: Path) -> dict:
+    return write(json.loads((out / "quality_suite.json").read_text()), out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ def markdown_table(result: dict) -> str:
     tasks = list(pols["full"]["tasks"])
     texts = list(pols["full"].get("ppl", {}))
     n = pols["full"]["num_samples"]
-    head = ["policy", "budget", "prefill chunk", *(f"{t} (n={n[t]})" for t in tasks), "suite", "x full",
+    dead = pols["full"].get("dead_tasks", [])
+    head = ["policy", "budget", "prefill chunk",
+            *(f"{t} (n={n[t]}{', full 0: not in suite' if t in dead else ''})" for t in tasks), "suite", "x full",
             *(f"ppl {t}" for t in texts)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for entry in pols.values():

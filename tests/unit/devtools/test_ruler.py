@@ -114,6 +114,13 @@ def test_the_suite_score_averages_tasks_not_samples():
     assert out["local-20%"]["suite_ratio_to_full"] == pytest.approx(0.6)
 
 
+def test_a_task_the_full_cache_cannot_do_is_left_out_of_the_suite():
+    rows = lambda a, b: [{"task": "a", "answers": ["x"], "text": a}, {"task": "b", "answers": ["y"], "text": b}]  # noqa: E731
+    out = summary.scores({"full": rows("x", "no"), "random-50%": rows("no", "y")})
+    assert out["full"]["dead_tasks"] == ["b"] and out["full"]["suite"] == 1.0
+    assert out["random-50%"]["tasks"]["b"] == 1.0 and out["random-50%"]["suite"] == 0.0
+
+
 def test_no_ratio_where_the_full_cache_scores_nothing():
     rows = [{"task": "a", "answers": ["x"], "text": "no"}]
     assert summary.scores({"full": rows, "h2o-20%": rows})["h2o-20%"]["suite_ratio_to_full"] is None
