@@ -160,6 +160,8 @@ def main(argv=None) -> dict:
         return {}
     if args.rescore:
         return rescore(Path(args.rescore))
+    if not set(args.tasks.split(",")) - {"ppl"}:
+        raise SystemExit("ppl runs beside the engine tasks (the suite score is theirs); for ppl alone: quality.py")
     from h2o_devtools import bench, models
 
     model = str(models.model_dir(args.model))
