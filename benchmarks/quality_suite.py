@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="default benchmarks/results/<date>-<host>-quality-suite")
     p.add_argument("--rescore", default=None, metavar="DIR",
                    help="score DIR/quality_suite.json's outputs again (scorer or table changed), no engine")
+    p.add_argument("--merge", default=None, metavar="DIR,DIR",
+                   help="join runs of one model that split the grid (their full caches must agree) into --out, no engine")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one vLLM engine
     return p.parse_args(argv)
 
@@ -160,6 +162,8 @@ def main(argv=None) -> dict:
         return {}
     if args.rescore:
         return rescore(Path(args.rescore))
+    if args.merge:
+        return merge([Path(d) for d in args.merge.split(",")], Path(args.out))
     if not set(args.tasks.split(",")) - {"ppl"}:
         raise SystemExit("ppl runs beside the engine tasks (the suite score is theirs); for ppl alone: quality.py")
     from h2o_devtools import bench, models
@@ -218,3 +222,22 @@ def rescore(out: Path) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def merge(dirs: list[Path], out: Path) -> dict:
+    """One result from runs that split the grid (e.g. a budget per run, to fit the time there
+    is): every run's stock engine must have written the same full-cache outputs."""
+    runs = [json.loads((d / "quality_suite.json").read_text()) for d in dirs]
+    if any(r["outputs"]["full"] != runs[0]["outputs"]["full"] for r in runs):
+        raise SystemExit("the runs' full-cache outputs differ: not one experiment")
+    result = {"meta": {**runs[0]["meta"], "merged_from": [r["meta"] for r in runs]},
+              "policies": {}, "outputs": {}}
+    for r in runs:
+        result["policies"].update(r["policies"])
+        result["outputs"].update(r["outputs"])
+    # a run's order: policy by policy (first seen), budgets from large to small
+    order = list(dict.fromkeys(e["policy"] for e in result["policies"].values()))
+    result["policies"] = dict(sorted(result["policies"].items(),
+                                     key=lambda kv: (order.index(kv[1]["policy"]), -(kv[1]["budget"] or 0))))
+    out.mkdir(parents=True, exist_ok=True)
+    return write(result, out)
