@@ -220,9 +220,6 @@ def rescore(out: Path) -> dict:
     return write(json.loads((out / "quality_suite.json").read_text()), out)
 
 
-if __name__ == "__main__":
-    main()
-
 
 def merge(dirs: list[Path], out: Path) -> dict:
     """One result from runs that split the grid (e.g. a budget per run, to fit the time there
@@ -241,3 +238,7 @@ def merge(dirs: list[Path], out: Path) -> dict:
                                      key=lambda kv: (order.index(kv[1]["policy"]), -(kv[1]["budget"] or 0))))
     out.mkdir(parents=True, exist_ok=True)
     return write(result, out)
+
+
+if __name__ == "__main__":
+    main()
