@@ -136,15 +136,12 @@ def build_requests(args, tokenizer, texts: dict[str, str]) -> list[dict]:
 def run_engine(job: dict) -> dict:
     """Child process: stock vLLM (job['h2o'] false) or one H2O engine for every policy."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from h2o_devtools import bench
 
     a = job["args"]
-    extra = {"additional_config": {"h2o": {"heavy_ratio": 0.1, "recent_ratio": 0.1}}} if job["h2o"] else {}
-    llm = LLM(job["model"], dtype=a["dtype"], block_size=a["block_size"], enable_prefix_caching=False,
-              max_model_len=job["max_model_len"], enforce_eager=True, seed=a["seed"],
-              kv_cache_dtype=a["kv_cache_dtype"], **extra)
+    llm = bench.quality_engine(job["model"], a, job["max_model_len"], job["h2o"])
     tokenizer = llm.get_tokenizer()
     requests = build_requests(argparse.Namespace(**a), tokenizer, available_texts(a["texts"]))
     labels = [p for p in job["policies"] if p[1] != "full"] if job["h2o"] else [("full", "full", None)]

@@ -151,6 +151,18 @@ def h2o_config(policy: str, budget: float | None, max_model_len: int | None = No
     raise ValueError(f"unknown policy {policy!r}: stock, full, h2o, local, {', '.join(MODES)}")
 
 
+def quality_engine(model: str, args: dict[str, Any], max_model_len: int, h2o: bool):
+    """The offline ``LLM`` of the quality benchmarks' engine children: stock vLLM (``h2o``
+    false: the full cache) or an H2O engine whose budget every request overrides
+    (``SamplingParams.extra_args``). ``args``: the benchmark's arguments (dtype, block_size,
+    seed, kv_cache_dtype if it has one)."""
+    from vllm import LLM
+    extra = {"additional_config": {"h2o": {"heavy_ratio": 0.1, "recent_ratio": 0.1}}} if h2o else {}
+    return LLM(model, dtype=args["dtype"], block_size=args["block_size"], enable_prefix_caching=False,
+               max_model_len=max_model_len, enforce_eager=True, seed=args["seed"],
+               kv_cache_dtype=args.get("kv_cache_dtype", "auto"), **extra)
+
+
 def read_text(name_or_path: str) -> str:
     """The text of one of ``TEXTS`` (by name) or of a file path; ``.gz``/``.dz`` are gunzipped."""
     paths = TEXTS.get(name_or_path, [Path(name_or_path)])

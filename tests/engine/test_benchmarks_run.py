@@ -46,6 +46,22 @@ def test_quality_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
         assert 0.0 <= entry["rouge_l"] <= 1.0 and 0.0 <= entry["passkey_accuracy"] <= 1.0
 
 
+
+def test_quality_suite_runs(load_benchmark, tiny_llama_dir, tmp_path):
+    """Every label comes back scored, the benchmark-only random policy included (its score mode
+    registered in the H2O engine's process), held whole and chunked."""
+    out = tmp_path / "suite"
+    load_benchmark("quality_suite").main([
+        "--model", str(tiny_llama_dir), "--tasks", "niah_single,qa_end,passkey", "--samples", "1",
+        "--policies", "h2o,random", "--budgets", "0.5", "--chunks", "32", "--context-len", "96",
+        "--out", str(out)])
+    saved = json.loads((out / "quality_suite.json").read_text())
+    assert (out / "quality_suite.png").stat().st_size > 0
+    assert list(saved["policies"]) == ["full", "h2o-50%", "h2o@c32-50%", "random-50%", "random@c32-50%"]
+    for label, entry in saved["policies"].items():
+        assert set(entry["tasks"]) == {"niah_single", "qa_end", "passkey"}
+        assert len(saved["outputs"][label]) == 3
+
 def test_prefix_serving_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """One of the three sides against a real server (the other two differ only in their flags,
     checked here without a server; one server instead of two saves ~100 s of the suite): vLLM's
