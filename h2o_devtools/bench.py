@@ -99,6 +99,9 @@ MODES: dict[str, dict[str, Any]] = {
     "pool": {"pool_kernel": 15},
     "window+pool": {"obs_window": 32, "pool_kernel": 15},
     "window+pool+sinks": {"obs_window": 32, "pool_kernel": 15, "sink_tokens": 4},
+    # KeyDiff (score: keydiff): ranked by the keys, not the attention; pooled like window+pool.
+    "keydiff": {"score": "keydiff"},
+    "keydiff+pool": {"score": "keydiff", "pool_kernel": 15},
     # The budget floor (min_tokens) on short prompts; floor0 is the paper's rule.
     "floor0": {"min_tokens": 0},
     "floor16": {"min_tokens": 16},
