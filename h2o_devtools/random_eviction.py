@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from h2o_devtools import bench
+from h2o_vllm import score_modes
 from h2o_vllm.score_modes.base import ScoreMode, integer_at_least
 
 #: The policy name the benchmarks give it (``h2o_devtools.bench.h2o_config``'s names beside it).
@@ -48,14 +50,12 @@ class RandomHeavy(ScoreMode):
 
 def register() -> None:
     """Add the mode to this process's registry, once (before the engine is built)."""
-    from h2o_vllm import score_modes
     if RandomHeavy not in score_modes.MODES:
         score_modes.MODES = (*score_modes.MODES, RandomHeavy)
 
 
 def h2o_config(policy: str, budget: float | None) -> dict[str, Any] | None:
     """``bench.h2o_config`` with ``random`` (and ``random@c<N>``) beside its names."""
-    from h2o_devtools import bench
     base, sep, chunk = policy.partition(bench.CHUNK_SUFFIX)
     if base != POLICY:
         return bench.h2o_config(policy, budget)

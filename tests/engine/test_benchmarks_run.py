@@ -46,7 +46,6 @@ def test_quality_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
         assert 0.0 <= entry["rouge_l"] <= 1.0 and 0.0 <= entry["passkey_accuracy"] <= 1.0
 
 
-
 def test_quality_suite_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """Every label comes back scored, the benchmark-only random policy included (its score mode
     registered in the H2O engine's process), held whole and chunked."""
@@ -61,6 +60,7 @@ def test_quality_suite_runs(load_benchmark, tiny_llama_dir, tmp_path):
     for label, entry in saved["policies"].items():
         assert set(entry["tasks"]) == {"niah_single", "qa_end", "passkey"}
         assert len(saved["outputs"][label]) == 3
+
 
 def test_prefix_serving_benchmark_runs(load_benchmark, tiny_llama_dir, tmp_path):
     """One of the three sides against a real server (the other two differ only in their flags,
