@@ -919,6 +919,23 @@ def test_the_interpreter_swaps_the_language_per_launch_and_again_per_helper_call
     assert "\n        _patch_lang(self.fn)\n" in helper, "a helper call keeps its swap's scope now"
 
 
+def test_the_interpreter_drops_its_overflow_checks_so_they_can_be_skipped():
+    """What ``skip_discarded_overflow_checks`` relies on: the check is an option of the
+    interpreter's one builder, which never debugs, and ``device_assert`` drops its condition
+    unless debugging. If either changes, skipping the check could hide an assert."""
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+    from h2o_vllm.vllm_hooks.triton_on_cpu import skip_discarded_overflow_checks
+    assert interpreter.interpreter_semantic.builder is interpreter.interpreter_builder
+    assert interpreter.InterpreterOptions().debug is False, "the interpreter debugs now"
+    drop = inspect.getsource(TritonSemantic.device_assert)
+    assert "if not self.builder.options.debug:\n            return" in drop, "device_assert changed"
+    check = inspect.getsource(TritonSemantic.binary_op_sanitize_overflow_impl)
+    assert "not self.builder.options.sanitize_overflow" in check
+    skip_discarded_overflow_checks()
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False
+
+
 def test_cpu_platform_selector_is_a_classmethod():
     from vllm.platforms.cpu import CpuPlatform
     assert isinstance(inspect.getattr_static(CpuPlatform, "get_attn_backend_cls"), classmethod)
