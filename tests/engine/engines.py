@@ -34,17 +34,35 @@ def vllm_engine(model_dir, *, plugins: bool = True, in_process: bool = False,
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kwargs = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0)
     kwargs.update(llm_kwargs)
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        llm = LLM(str(model_dir), **kwargs)
+    if in_process:
+        freeze_heap()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            llm = LLM(str(model_dir), **kwargs)
+    except BaseException:
+        gc.unfreeze()  # e.g. a configuration refused before load: nothing left hidden
+        raise
     try:
         yield llm
     finally:
         # pytest still holds fixture values at teardown: shut the engine down explicitly.
         llm.llm_engine.engine_core.shutdown()
         del llm
+        gc.unfreeze()  # shutdown has, unless it failed first
         gc.collect()
+
+
+def freeze_heap() -> None:
+    """Collect, then hide every live object from later collections, as vLLM's engine core
+    does once it has started (``freeze_gc_heap``), only sooner: vLLM collects the whole heap
+    twice per model it loads and again when it freezes, and a test process's heap (vLLM,
+    transformers, pytest, the oracle's model) makes each such pass take seconds. An in-process
+    engine's shutdown unfreezes it all (``EngineCore.shutdown``): nothing stays hidden past the
+    engine. (An engine core in its own process starts from a small heap: nothing to gain.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def in_fresh_process(fn, *args, env: dict[str, str] | None = None):
