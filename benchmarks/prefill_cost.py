@@ -94,7 +94,8 @@ def warm_up(url: str, served: str) -> None:
         "temperature": 0.0, "ignore_eos": True}).raise_for_status()
 
 
-def run_side(args, side: str, model: str, max_model_len: int, out: Path) -> dict:
+def side_flags(args, side: str, max_model_len: int) -> tuple[list[str], dict[str, str]]:
+    """Serve flags and environment of one side (all but the side's own flags are common)."""
     flags = ["--dtype", "float32", "--enforce-eager", "--seed", str(args.seed),
              "--max-model-len", str(max_model_len), "--block-size", str(args.block_size),
              "--no-enable-prefix-caching", *SIDES[side]]
@@ -103,6 +104,11 @@ def run_side(args, side: str, model: str, max_model_len: int, out: Path) -> dict
         env["OMP_NUM_THREADS"] = args.omp_threads
     if side == "stock":
         env["VLLM_PLUGINS"] = soak.STOCK_PLUGINS  # stock vLLM: our plugin is not loaded anywhere
+    return flags, env
+
+
+def run_side(args, side: str, model: str, max_model_len: int, out: Path) -> dict:
+    flags, env = side_flags(args, side, max_model_len)
     name = side.replace("+", "-")
     started = time.monotonic()
     proc, url = server.start_server(model, flags, out / "logs" / f"server-{name}.log", env)
