@@ -41,16 +41,16 @@ def vllm_engine(model_dir, *, plugins: bool = True, in_process: bool = False,
             for key, value in env.items():
                 mp.setenv(key, value)
             llm = LLM(str(model_dir), **kwargs)
-    except BaseException:
-        gc.unfreeze()  # e.g. a configuration refused before load: nothing left hidden
-        raise
-    try:
-        yield llm
+        try:
+            yield llm
+        finally:
+            # pytest still holds fixture values at teardown: shut the engine down explicitly.
+            llm.llm_engine.engine_core.shutdown()
+            del llm
     finally:
-        # pytest still holds fixture values at teardown: shut the engine down explicitly.
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.unfreeze()  # shutdown has, unless it failed first
+        # A clean shutdown has unfrozen the heap already; a start refused before load or a
+        # shutdown that raised has not.
+        gc.unfreeze()
         gc.collect()
 
 
