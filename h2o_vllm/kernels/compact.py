@@ -16,7 +16,7 @@ from h2o_vllm.kernels import FP8_CACHE_DTYPES, check_paged
 
 @triton.jit
 def compact_rows_kernel(
-        cache, scores, block_table, rows, keep_idx, target,
+        cache, scores, block_table, rows, keep_idx, targets,
         stride_cb, stride_cs, stride_ch, stride_sb, stride_sh, stride_ss,
         stride_bt, stride_ir, stride_ih, stride_it, block_size,
         WIDTH: tl.constexpr, D_CHUNK: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -28,7 +28,8 @@ def compact_rows_kernel(
     # where an earlier tile wrote. Within a tile a lane may store where another lane still has
     # to read (keep_idx[j'] = j with j' < j): the barrier orders all of the tile's loads before
     # any of its stores. Kept tokens already in place (keep_idx[j] = j: every one before the
-    # first evicted token) are neither read nor written.
+    # first evicted token) are neither read nor written. Each row keeps its own number of
+    # tokens (targets[sel] <= keep_idx's width): a row that keeps none (not due) moves nothing.
     sel = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -37,6 +38,7 @@ def compact_rows_kernel(
     idx_row = keep_idx + sel.to(tl.int64) * stride_ir + kv_head * stride_ih
     offs_d = chunk * D_CHUNK + tl.arange(0, D_CHUNK)
     d_mask = offs_d < WIDTH
+    target = tl.load(targets + sel)
     for t0 in range(0, target, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         src = tl.load(idx_row + offs_t * stride_it, mask=offs_t < target, other=0)
@@ -72,10 +74,14 @@ def _k_and_v_in_one_row(key_cache: torch.Tensor, value_cache: torch.Tensor) -> b
 
 
 def compact_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: torch.Tensor,
-                 block_table: torch.Tensor, rows: torch.Tensor, keep_idx: torch.Tensor, *,
+                 block_table: torch.Tensor, rows: torch.Tensor, keep_idx: torch.Tensor,
+                 targets: torch.Tensor | None = None, *,
                  block_t: int = 64, d_chunk_max: int = 64) -> None:
     """For each selected row and KV head h: K, V, scores at KV positions keep_idx[i, h, :] of
     row rows[i] move to KV positions [0, target) of the same row, in place.
+    targets: [num_sel_rows] int64, each row's own target (the first targets[i] entries of
+    keep_idx[i] count; 0: the row moves nothing); None: keep_idx's width for every row. The
+    grid depends on the shapes only, so a step replays the same launch whatever its rows keep.
 
     rows: [num_sel_rows] int32/int64 indices into block_table (distinct).
     keep_idx: [num_sel_rows, num_kv_heads, target] int64, strictly ascending per (row, head),
@@ -102,7 +108,11 @@ def compact_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: tor
     if target > block_table.shape[1] * block_size:
         raise ValueError(f"target {target} exceeds a row's capacity "
                          f"{block_table.shape[1] * block_size}")
-    for t, n in ((rows, "rows"), (keep_idx, "keep_idx")):
+    if targets is None:
+        targets = torch.full((rows.shape[0],), target, dtype=torch.int64, device=rows.device)
+    elif targets.shape != rows.shape:
+        raise ValueError(f"targets must be [{rows.shape[0]}] like rows, got {tuple(targets.shape)}")
+    for t, n in ((rows, "rows"), (keep_idx, "keep_idx"), (targets, "targets")):
         if t.device != key_cache.device:
             raise ValueError(f"{n} is on {t.device}, key_cache on {key_cache.device}")
     for name, size in (("block_t", block_t), ("d_chunk_max", d_chunk_max)):
@@ -119,7 +129,7 @@ def compact_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: tor
     for i, (cache, width) in enumerate(parts):
         d_chunk = min(d_chunk_max, triton.next_power_of_2(width))
         compact_rows_kernel[(rows.shape[0], num_kv_heads, triton.cdiv(width, d_chunk))](
-            cache, scores, block_table, rows, keep_idx, target,
+            cache, scores, block_table, rows, keep_idx, targets.contiguous(),
             cache.stride(0), cache.stride(1), cache.stride(2),
             scores.stride(0), scores.stride(1), scores.stride(2), block_table.stride(0),
             keep_idx.stride(0), keep_idx.stride(1), keep_idx.stride(2), block_size,

@@ -138,17 +138,21 @@ def accumulate_prefill_scores(query: torch.Tensor, key_cache: torch.Tensor,
 
 def compact_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, scores: torch.Tensor,
                  block_table: torch.Tensor, rows: torch.Tensor, keep_idx: torch.Tensor,
-                 **_tiles: int) -> None:
-    """K, V, scores at KV positions keep_idx[i, h, :] of row rows[i] move to KV positions
-    [0, target) of the same row, per KV head h, in place.
+                 targets: torch.Tensor | None = None, **_tiles: int) -> None:
+    """K, V, scores at KV positions keep_idx[i, h, :targets[i]] of row rows[i] move to KV
+    positions [0, targets[i]) of the same row, per KV head h, in place (targets None: keep_idx's
+    width for every row; 0: the row moves nothing).
 
-    keep_idx: [num_sel_rows, num_kv_heads, target] int64, ascending per (row, head).
+    keep_idx: [num_sel_rows, num_kv_heads, width] int64, ascending per (row, head) up to its target.
     """
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    target = keep_idx.shape[2]
+    width = keep_idx.shape[2]
+    counts = [width] * rows.shape[0] if targets is None else targets.tolist()
     heads = torch.arange(num_kv_heads, device=key_cache.device)[:, None]  # [num_kv_heads, 1]
-    for i, row in enumerate(rows.tolist()):
-        src_blk, src_off = _slots(block_table, row, keep_idx[i], block_size)  # [heads, target]
+    for i, (row, target) in enumerate(zip(rows.tolist(), counts)):
+        if target == 0:
+            continue
+        src_blk, src_off = _slots(block_table, row, keep_idx[i, :, :target], block_size)  # [heads, target]
         dst_blk, dst_off = _slots(block_table, row,
                                   torch.arange(target, device=key_cache.device), block_size)
         # Gather everything first (advanced indexing copies), then scatter: overlap is harmless.

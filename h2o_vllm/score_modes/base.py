@@ -97,7 +97,9 @@ class ScoreMode:
 
     def rank(self, candidates: torch.Tensor) -> torch.Tensor:
         """[..., m] the rank score of each heavy candidate at a sequence's first compaction
-        (candidates: live slots between the sinks and the recent window, in order)."""
+        (candidates: live slots between the sinks and the recent window, in order). The worker
+        passes padded rows (``worker.due_pass``): -inf around a row's candidates, which must
+        change no candidate's rank score (pooling: its own edge padding is -inf)."""
         return candidates
 
     def key_scorer(self) -> Scorer | None:
@@ -143,9 +145,11 @@ class Scorer:
     #: when this scorer ranks, so refused at any other value than their neutral one.
     shapes_attention_only: ClassVar[tuple[str, ...]] = ()
 
-    def scores(self, keys: torch.Tensor) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """keys: [..., kv_len, head_size] fp32, a row's live keys per (layer, KV head) in slot
-        order. Returns [..., kv_len] fp32: higher is kept first (``policy.select_keep``)."""
+        order. Returns [..., kv_len] fp32: higher is kept first (``policy.select_keep``).
+        live: [..., kv_len] bool (broadcast), the slots that are the row's (the worker's padded
+        rows, ``worker.due_pass``); the others must not change the live slots' scores."""
         raise NotImplementedError
 
     def oracle_scores(self, keys: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,13 @@ class KeyDiff(Scorer):
     # Decay and the observation window weigh queries' attention, which KeyDiff never reads.
     shapes_attention_only: ClassVar[tuple[str, ...]] = ("decay", "obs_window")
 
-    def scores(self, keys: torch.Tensor) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         unit = keys / torch.linalg.vector_norm(keys, dim=-1, keepdim=True).clamp_min(EPS)
-        anchor = unit.mean(dim=-2, keepdim=True)                       # [..., 1, head_size]
+        if live is None:
+            anchor = unit.mean(dim=-2, keepdim=True)                   # [..., 1, head_size]
+        else:  # the mean of the live keys: padding adds nothing, nor counts
+            unit = unit.masked_fill(~live[..., None], 0.0)
+            anchor = unit.sum(dim=-2, keepdim=True) / live.sum(-1)[..., None, None]
         anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(EPS)
         return -(unit * anchor).sum(dim=-1)
 

@@ -71,15 +71,26 @@ class H2OBuilderMixin:
         # A hybrid model's sliding-window groups and a drafter's layers keep vLLM's own
         # metadata: only H2O's groups (h2o_specs) get a plan.
         self.h2o = h2o_config(vllm_config) if is_h2o_spec(kv_cache_spec) else None
+        # The last step built: its layers have all added their attention mass to ``H2OStep.mass``
+        # by the time the next step is built, which reads it, once (no sync on CUDA).
+        self._last_step: H2OStep | None = None
+        self._mass = DeferredMass()
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
         plan = plan_for(self.layer_names) if self.h2o is not None else None
         if plan is not None:
+            self._read_mass()
             cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops)
+            self._last_step = step
         metadata = super().build(common_prefix_len, cm, fast_build)
         return with_step(self.metadata_cls, metadata, step,
                          **(self.device_fields(cm, step) if step is not None else {}))
+
+    def _read_mass(self) -> None:
+        last, self._last_step = self._last_step, None
+        if last is not None and last.mass is not None:
+            self._mass.push(last.mass)
 
     def device_fields(self, cm, step: H2OStep) -> dict:
         """Fields of the device's metadata subclass besides ``h2o``, built once per step."""
@@ -102,7 +113,6 @@ class H2OImplMixin:
         # because the cache size is only known once vLLM has profiled memory.
         self.scores: torch.Tensor | None = None
         self.records: torch.Tensor | None = None  # prefix caching: score records, same layout
-        self._mass = DeferredMass()
         self._views: tuple[torch.Tensor, object] | None = None  # (kv_cache, its views)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -131,11 +141,9 @@ class H2OImplMixin:
         else:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                             output_scale, output_block_scale)
-        mass = update_scores_and_compact(step, self.ops, query, views, scores, self.scale,
-                                         self.records, accumulated=self.fuses_scores,
-                                         softcap=self.logits_soft_cap, sink_logits=self.sinks)
-        if mass is not None:
-            self._mass.push(mass)
+        update_scores_and_compact(step, self.ops, query, views, scores, self.scale, self.records,
+                                  accumulated=self.fuses_scores, softcap=self.logits_soft_cap,
+                                  sink_logits=self.sinks)
         return output
 
     def has_sliding_window(self) -> bool:

@@ -41,6 +41,10 @@ class StepPlan:
     # What ranks each row's heavy candidates from its live keys at every compaction
     # (``Budget.key_scorer``; None: the accumulated scores); () when no row has one.
     key_scorers: tuple[Scorer | None, ...] = ()
+    # Each row's budget's ranking modes, whether this step ranks with them or not (``rank``):
+    # the due pass runs every one of them and keeps a row's result only where ``rank`` has it,
+    # so a row's first compaction launches nothing its other steps do not (worker.due_pass).
+    ranking: tuple[tuple[ScoreMode, ...], ...] = ()
     # The score modes' terms (h2o_vllm.score_modes; docs/score-modes.md). A row whose queries
     # sit at logical positions a..b updates each live token t as
     #   s(t) <- score_scale[row] * s(t) + sum_i query_weights[i] * p_i(t),
@@ -104,7 +108,8 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     heavy, budget_tokens, interval, sink_tokens, chunk = table.unbind(1)
     chunk = prompt_chunk(prompt_lens, chunk)
     first = (num_computed < first_compaction(prompt_lens, budget_tokens, interval, chunk)).tolist()
-    rank = tuple(tuple(m for m in b.scoring if m.ranks) if f else () for b, f in zip(budgets, first))
+    ranking = tuple(tuple(m for m in b.scoring if m.ranks) for b in budgets)
+    rank = tuple(modes if f else () for modes, f in zip(ranking, first))
     key_scorers = tuple(b.key_scorer for b in budgets)
     before = live_kv_len(num_computed, prompt_lens, budget_tokens, interval, chunk)
     after = live_kv_len(num_computed + query_lens, prompt_lens, budget_tokens, interval, chunk)
@@ -123,6 +128,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
                     kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, rank=rank, due=due,
                     query_starts=starts, key_scorers=key_scorers if any(s is not None for s in key_scorers) else (),
+                    ranking=ranking if any(ranking) else (),
                     query_scale=query_scale, query_weights=weights,
                     score_scale=scale, draft_lens=draft_lens)
 

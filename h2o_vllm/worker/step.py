@@ -5,7 +5,8 @@ Runs in the worker process. ``kv_space_metadata`` runs once per step in a metada
 ``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
 KV-space slots and attended: zero the scores of the slots just written, add this step's
 probabilities, select each due row's keep-set per head (ranked by its scores, or by a score of
-its live keys: ``key_scores``), compact, account the attention mass.
+its live keys) and compact, all due rows in one padded pass (``worker.due_pass``), and add the
+attention mass into the step's one buffer.
 A device supplies ``DeviceOps``: how to view its cache, accumulate and compact. Imports no
 vLLM, so the whole sequence runs on CPU tensors in unit tests.
 Cache views: keys / values [num_blocks, block_size, num_kv_heads, head_size] (strided views
@@ -20,25 +21,10 @@ from typing import Any, Protocol
 import torch
 
 from h2o_vllm import metrics
-from h2o_vllm.policy import select_keep
-from h2o_vllm.score_modes import ScoreMode, Scorer
-from h2o_vllm.worker import prefix_records
+from h2o_vllm.worker import due_pass, prefix_records
+from h2o_vllm.worker.due_pass import DuePass, due_passes
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
-
-
-@dataclass(frozen=True)
-class DueGroup:
-    """Due rows that share (kv_len, sink_tokens, heavy, target, rank, key_scorer): one select_keep
-    and one compaction."""
-    rows: torch.Tensor      # [R] int64, device: batch rows
-    blocks: torch.Tensor    # [R, kv_len] int64, device: block of KV position t of each row
-    offsets: torch.Tensor   # [kv_len] int64, device: offset of KV position t
-    sink_tokens: int
-    heavy: int
-    target: int
-    rank: tuple[ScoreMode, ...]  # the score modes that rank the heavy candidates (StepPlan.rank)
-    key_scorer: Scorer | None = None  # ranks from the live keys instead of the scores (StepPlan.key_scorers)
 
 
 @dataclass(frozen=True)
@@ -57,7 +43,10 @@ class H2OStep:
     prefill_query_start_loc: torch.Tensor | None  # [P + 1] int32 over the packed tokens
     max_prefill_query_len: int
     max_prefill_kv_len: int
-    due: tuple[DueGroup, ...]
+    due: tuple[DuePass, ...]  # the step's compactions (worker.due_pass), () when no row is due
+    # [2] fp32, device: the due rows' attention mass before and after compaction, summed over
+    # every layer of the step, read once by the builder (``DeferredMass``); None when no row is due.
+    mass: torch.Tensor | None = None
     # What the device's ops precompute once per step (the CPU's: a call that builds it on first use).
     device_index: Any = None
     # Decay and query weights (StepPlan.query_weights / score_scale) on the device; None on
@@ -100,8 +89,9 @@ class DeviceOps(Protocol):
         sink_logits [num_q_heads] puts each head's sink logit in its denominator (gpt-oss)."""
 
     def compact(self, views: Any, scores: torch.Tensor, block_table: torch.Tensor,
-                rows: torch.Tensor, keep: torch.Tensor) -> None:
-        """Move K, V and scores at KV positions keep[i, h] of row rows[i] to [0, target)."""
+                rows: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor) -> None:
+        """Move K, V and scores at KV positions keep[i, h, :targets[i]] of row rows[i] to
+        [0, targets[i]) (``kernels.compact_rows``); a row whose target is 0 moves nothing."""
 
 
 def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
@@ -152,6 +142,7 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
     new = kv_slots[:int(query_lens.sum())]
     starts = plan.query_starts
     decode = (query_lens == 1).nonzero().flatten()
+    due = due_passes(plan, table, block_size)
     prefill = (query_lens > 1).nonzero().flatten()
     decode_rows = decode_tokens = prefill_rows = prefill_tokens = prefill_qsl = None
     if decode.numel():
@@ -173,7 +164,8 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
         decode_rows=decode_rows, decode_tokens=decode_tokens, prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens, prefill_query_start_loc=prefill_qsl,
         max_prefill_query_len=max_q, max_prefill_kv_len=max_kv,
-        due=_due_groups(plan, table, block_size), compact_table=table,
+        due=due, mass=torch.zeros(2, dtype=torch.float32, device=device) if due else None,
+        compact_table=table,
         query_weight=_fp32_to(plan.query_weights, device), score_scale=_fp32_to(plan.score_scale, device),
         prefill_first_scored=_first_scored(plan, prefill, device))
 
@@ -187,25 +179,6 @@ def _first_scored(plan: StepPlan, prefill: torch.Tensor, device) -> torch.Tensor
 
 def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if t is None else _to(t, device, torch.float32)
-
-
-def _due_groups(plan: StepPlan, block_table: torch.Tensor, block_size: int) -> tuple[DueGroup, ...]:
-    device = block_table.device
-    groups: dict[tuple[int, int, int, int, tuple[ScoreMode, ...], Scorer | None], list[int]] = {}
-    for row in plan.due.nonzero().flatten().tolist():
-        key = (int(plan.kv_seq_lens[row]), int(plan.sink_tokens[row]), int(plan.heavy[row]),
-               int(plan.kv_lens_after[row]), plan.rank[row],
-               plan.key_scorers[row] if plan.key_scorers else None)
-        groups.setdefault(key, []).append(row)
-    out = []
-    for (kv_len, sink_tokens, heavy, target, rank, key_scorer), rows in groups.items():
-        pos = torch.arange(kv_len)
-        rows_d = _to(torch.tensor(rows), device)
-        blocks = block_table[rows_d][:, _to(pos // block_size, device)].to(torch.int64)
-        out.append(DueGroup(rows=rows_d, blocks=blocks, offsets=_to(pos % block_size, device),
-                            sink_tokens=sink_tokens, heavy=heavy, target=target, rank=rank,
-                            key_scorer=key_scorer))
-    return tuple(out)
 
 
 def prepare_scores(step: H2OStep, scores: torch.Tensor, records: torch.Tensor | None) -> None:
@@ -239,8 +212,9 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
 
     ``target`` exceeds sinks + heavy + recent only when a recomputed request lands past a
     compaction point; the extra slots then go to the recent window. query: [>= num_tokens, num_q_heads,
-    head_size]. Returns [2] fp32 on the device: the attention mass of the compacted rows
-    before and after compaction (for metrics, without a device sync); None when no row is due. With prefix caching,
+    head_size]. Returns ``step.mass``, into which this layer added the compacted rows'
+    attention mass before and after compaction ([2] fp32 on the device, summed over the step's
+    layers, read once per step for the metrics); None when no row is due. With prefix caching,
     ``records`` holds the layer's score records and ``step.prefix`` says what to do with them.
     accumulated: the attention kernel has already zeroed the new slots and added this step's
     probabilities (the CUDA path's fused attention, after ``prepare_scores``).
@@ -255,25 +229,13 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
             ops.accumulate(phase, query, views, scores, scale, softcap, sink_logits)
             prefix_records.snapshot(snap, scores, records)
         prefix_records.relocate(prefix, views, scores)
-    if not step.due:
-        return None
-    mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
-    for group in step.due:
-        live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
-        ranked = live if group.key_scorer is None else key_scores(group, ops, views)
-        keep = select_keep(ranked, group.heavy, group.target - group.sink_tokens - group.heavy,
-                           group.sink_tokens, group.rank)                             # [R, Hkv, target]
-        mass[0] += live.sum()
-        mass[1] += live.gather(-1, keep).sum()
-        ops.compact(views, scores, step.compact_table, group.rows, keep)
-    return mass
-
-
-def key_scores(group: DueGroup, ops: DeviceOps, views: Any) -> torch.Tensor:
-    """[R, Hkv, kv_len] fp32: the group's key score of each live slot (docs/semantics.md,
-    "KeyDiff"), from the keys the attention read, gathered as ``live`` is."""
-    keys = views.keys[group.blocks, group.offsets[None, :]]  # [R, kv_len, Hkv, head_size]
-    return group.key_scorer.scores(ops.read_keys(keys).transpose(1, 2))
+    for due in step.due:
+        live = due_pass.live_scores(due, scores)  # [R, Hkv, width]
+        ranked = live if due.key_scorer is None else due_pass.key_scores(due, ops.read_keys, views)
+        keep, keep_idx = due_pass.keep_sets(due, ranked)
+        step.mass.add_(due_pass.masses(due, live, keep))
+        ops.compact(views, scores, step.compact_table, due.rows, keep_idx, due.targets)
+    return step.mass
 
 
 class DeferredMass:

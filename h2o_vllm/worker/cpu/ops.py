@@ -94,5 +94,5 @@ class CPUOps(StoredKVReads):
                               0 if firsts is None else firsts[i], softcap, sink_logits, self.v_scale)
 
     def compact(self, views: CacheViews, scores: torch.Tensor, block_table: torch.Tensor,
-                rows: torch.Tensor, keep: torch.Tensor) -> None:
-        torch_ops.compact_rows(views.keys, views.values, scores, block_table, rows, keep)
+                rows: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor) -> None:
+        torch_ops.compact_rows(views.keys, views.values, scores, block_table, rows, keep, targets)

@@ -114,8 +114,8 @@ class TritonOps(StoredKVReads):
                 softcap=softcap, sinks=sink_logits, k_scale=self.k_scale)
 
     def compact(self, views: TritonCacheViews, scores: torch.Tensor, block_table: torch.Tensor,
-                rows: torch.Tensor, keep: torch.Tensor) -> None:
-        kernels.compact_rows(views.keys, views.values, scores, block_table, rows, keep)
+                rows: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor) -> None:
+        kernels.compact_rows(views.keys, views.values, scores, block_table, rows, keep, targets)
 
 
 def _take(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:

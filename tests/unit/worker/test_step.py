@@ -69,7 +69,8 @@ def test_kv_space_metadata_rewrites_lengths_and_slots_keeps_positions():
     assert step.new_blocks.tolist() == (new // BLOCK).tolist()
     # Row 1 ends its 12-token prompt here: compacted to heavy + recent = 8 in this step.
     assert plan.due.tolist() == [False, True]
-    assert [(g.rows.tolist(), g.heavy, g.target, g.blocks.shape[1]) for g in step.due] == [([1], 4, 8, 12)]
+    assert [(d.rows.tolist(), d.num_heavy.tolist(), d.targets.tolist(), d.blocks.shape[1])
+            for d in step.due] == [([1], [4], [8], BLOCK)]  # 12 live tokens: one block wide
 
 
 def test_only_prefill_rows_use_the_batch_as_packed():

@@ -32,9 +32,9 @@ class _RecordingOps(CPUOps):
         super().__init__()
         self.kept: list[torch.Tensor] = []
 
-    def compact(self, views, scores, block_table, rows, keep):
-        self.kept.append(keep.clone())
-        super().compact(views, scores, block_table, rows, keep)
+    def compact(self, views, scores, block_table, rows, keep, targets):
+        self.kept.extend(k[:, :t].clone() for k, t in zip(keep, targets.tolist()))
+        super().compact(views, scores, block_table, rows, keep, targets)
 
 
 def _run(query_prefill, query_decode, keys, values, scores, table, kv_len, target, heavy):
@@ -57,7 +57,7 @@ def _run(query_prefill, query_decode, keys, values, scores, table, kv_len, targe
         step = dataclasses.replace(step, device_index=ops.step_index(step, BLOCK))
         update_scores_and_compact(step, ops, query, views, scores_by_head, 0.25)
     assert plan.kv_lens_after.tolist() == [target] and len(ops.kept) == 1
-    return ops.kept[0][0]
+    return ops.kept[0]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
