@@ -73,8 +73,10 @@ def _due_pass(plan, rows: torch.Tensor, block_table: torch.Tensor, block_size: i
     recent_start = n - num_recent
     num_heavy = torch.where(due, torch.minimum(heavy, recent_start - sink_end), 0)
     targets = torch.where(due, sink_end + num_heavy + num_recent, 0)
-    # A power of two of blocks: decode steps of one budget keep one width from step to step.
-    num_blocks = -(-int(n.max()) // block_size)
+    # A power of two of blocks, at least every row's decode peak: a decode batch keeps one
+    # width from step to step, and a batch whose budgets differ a little shares it.
+    peak = n if plan.kv_peak_lens is None else torch.maximum(n, plan.kv_peak_lens[rows])
+    num_blocks = -(-int(peak.max()) // block_size)
     width = min(1 << (num_blocks - 1).bit_length(), block_table.shape[1]) * block_size
     positions = torch.arange(width)
     live = positions[None, :] < n[:, None]

@@ -45,6 +45,10 @@ class StepPlan:
     # the due pass runs every one of them and keeps a row's result only where ``rank`` has it,
     # so a row's first compaction launches nothing its other steps do not (worker.due_pass).
     ranking: tuple[tuple[ScoreMode, ...], ...] = ()
+    # [num_reqs] int64: the most keys a row attends over in a decode step (budget + interval),
+    # a bound that holds for the request's life: the due pass pads its rows to it, so a decode
+    # batch keeps one width from step to step (worker.due_pass). None: the step's lengths.
+    kv_peak_lens: torch.Tensor | None = None
     # The score modes' terms (h2o_vllm.score_modes; docs/score-modes.md). A row whose queries
     # sit at logical positions a..b updates each live token t as
     #   s(t) <- score_scale[row] * s(t) + sum_i query_weights[i] * p_i(t),
@@ -128,7 +132,7 @@ def make_step_plan(num_computed: torch.Tensor, query_lens: torch.Tensor, prompt_
     return StepPlan(query_lens=query_lens, kv_lens_before=before, kv_seq_lens=seq_lens,
                     kv_lens_after=after, heavy=heavy, sink_tokens=sink_tokens, rank=rank, due=due,
                     query_starts=starts, key_scorers=key_scorers if any(s is not None for s in key_scorers) else (),
-                    ranking=ranking if any(ranking) else (),
+                    ranking=ranking if any(ranking) else (), kv_peak_lens=budget_tokens + interval,
                     query_scale=query_scale, query_weights=weights,
                     score_scale=scale, draft_lens=draft_lens)
 
