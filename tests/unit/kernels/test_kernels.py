@@ -210,18 +210,22 @@ def test_compact_rows_matches_torch(head_size, group, block_size, dtype, layout)
     gen = torch.Generator().manual_seed(2)
     rows, target = [0, 2, 3], 40  # row 1 is not selected and must stay untouched
     keep_idx = torch.stack([keep_patterns(kv_lens[r], target, gen) for r in rows]).to(DEVICE)
+    # Each row its own target (worker.due_pass): row 2 keeps none (not due) and moves nothing.
+    targets = torch.tensor([40, 0, 25], device=DEVICE)
     before = [dense_row_keys(key_cache, block_table, r, kv_lens[r]) for r in rows]
     expected = [t.clone() for t in (key_cache, value_cache, scores)]
-    torch_ops.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx)
+    torch_ops.compact_rows(*expected, block_table, torch.tensor(rows, device=DEVICE), keep_idx, targets)
     # Small tiles and column chunks: several of each, and ragged in the head's columns.
     compact_kernels.compact_rows(key_cache, value_cache, scores, block_table,
-                                 int32(rows), keep_idx, block_t=16, d_chunk_max=16)
+                                 int32(rows), keep_idx, targets, block_t=16, d_chunk_max=16)
     for got, want in zip((key_cache, value_cache, scores), expected):
         assert torch.equal(got, want)
     for i, r in enumerate(rows):  # the kept keys really are where they should be
-        after = dense_row_keys(key_cache, block_table, r, target)
+        n = int(targets[i])
+        after = dense_row_keys(key_cache, block_table, r, kv_lens[r])
         for h in range(NUM_KV_HEADS):
-            assert torch.equal(after[:, h], before[i][keep_idx[i, h].cpu(), h])
+            assert torch.equal(after[:n, h], before[i][keep_idx[i, h, :n].cpu(), h])
+            assert torch.equal(after[n:, h], before[i][n:, h])  # past the target: as it was
 
 
 # ---- torch twins vs dense math ----------------------------------------------------------------
