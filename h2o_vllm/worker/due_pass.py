@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from h2o_vllm.score_modes import ScoreMode, Scorer
+from h2o_vllm.worker.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -46,22 +47,20 @@ def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
     return t.to(dtype).to(device, non_blocking=True)
 
 
-def due_passes(plan, block_table: torch.Tensor, block_size: int, *,
+def due_passes(plan: StepPlan, block_table: torch.Tensor, block_size: int, *,
                every_row: bool = False) -> tuple[DuePass, ...]:
-    """The step's passes (``plan``: a ``StepPlan``; ``block_table``: the table due rows compact
-    through). Eager steps pass the due rows only (none: no pass); ``every_row`` passes every row
+    """The step's passes (``block_table``: the table due rows compact through). Eager steps pass the due rows only (none: no pass); ``every_row`` passes every row
     of the batch, due or not, so that a fixed batch launches the same pass every step."""
     due = plan.due
     scorers = plan.key_scorers or (None,) * due.shape[0]
     rows_of: dict[Scorer | None, list[int]] = {}
-    for row in range(due.shape[0]):
-        if every_row or bool(due[row]):
-            rows_of.setdefault(scorers[row], []).append(row)
+    for row in (range(due.shape[0]) if every_row else due.nonzero().flatten().tolist()):
+        rows_of.setdefault(scorers[row], []).append(row)
     return tuple(_due_pass(plan, torch.tensor(rows), block_table, block_size, scorer)
                  for scorer, rows in rows_of.items())
 
 
-def _due_pass(plan, rows: torch.Tensor, block_table: torch.Tensor, block_size: int,
+def _due_pass(plan: StepPlan, rows: torch.Tensor, block_table: torch.Tensor, block_size: int,
               key_scorer: Scorer | None) -> DuePass:
     device = block_table.device
     n = plan.kv_seq_lens[rows]
@@ -90,7 +89,7 @@ def _due_pass(plan, rows: torch.Tensor, block_table: torch.Tensor, block_size: i
                    rank=_rank(plan, rows.tolist(), device), key_scorer=key_scorer)
 
 
-def _rank(plan, rows: list[int], device) -> tuple[tuple[ScoreMode, torch.Tensor], ...]:
+def _rank(plan: StepPlan, rows: list[int], device) -> tuple[tuple[ScoreMode, torch.Tensor], ...]:
     """Every ranking mode of the rows' budgets (``StepPlan.ranking``), each with the rows that
     rank with it at this step (``StepPlan.rank``): the i-th mode of each row applies i-th."""
     ranking = plan.ranking or plan.rank

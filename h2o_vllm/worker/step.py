@@ -142,7 +142,6 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
     new = kv_slots[:int(query_lens.sum())]
     starts = plan.query_starts
     decode = (query_lens == 1).nonzero().flatten()
-    due = due_passes(plan, table, block_size)
     prefill = (query_lens > 1).nonzero().flatten()
     decode_rows = decode_tokens = prefill_rows = prefill_tokens = prefill_qsl = None
     if decode.numel():
@@ -158,6 +157,7 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
         if decode.numel() or not packed:  # else the batch's tokens are the prefill rows', in order
             prefill_tokens = _to(torch.cat([torch.arange(int(s), int(s) + int(n))
                                             for s, n in zip(starts[prefill], q)]), device)
+    due = due_passes(plan, table, block_size)
     return H2OStep(
         plan=plan, block_table=block_table, kv_seq_lens=_to(kv_seq_lens, device, torch.int32),
         new_blocks=new // block_size, new_offsets=new % block_size,

@@ -56,12 +56,16 @@ def test_the_score_ignores_each_keys_length():
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n, sinks, heavy, recent, pool", [(40, 0, 6, 6, 1), (23, 2, 5, 4, 5), (9, 1, 3, 3, 1)])
 def test_the_workers_scores_and_keep_sets_are_the_oracles(seed, n, sinks, heavy, recent, pool):
-    """Batched (the worker's, ``step.key_scores``) and token by token (the oracle's): scores
-    within 1e-6 (fp32, two summation orders), and the same kept tokens per head."""
+    """Batched (the worker's, ``due_pass.key_scores``: rows padded past their live keys) and
+    token by token (the oracle's): scores within 1e-6 (fp32, two summation orders), and the
+    same kept tokens per head."""
     gen = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_size = 2, 16
+    num_kv_heads, head_size, width = 2, 16, 48
     keys = torch.randn(num_kv_heads, n, head_size, generator=gen) * torch.rand(num_kv_heads, n, 1, generator=gen) * 4
-    worker = KeyDiff().scores(keys[None])[0]  # as step.key_scores batches rows: [R, Hkv, kv_len]
+    padded = torch.cat([keys, torch.randn(num_kv_heads, width - n, head_size, generator=gen)], dim=1)
+    live = (torch.arange(width) < n)[None, None]  # [R, 1, width], as the due pass gives it
+    worker = KeyDiff().scores(padded[None], live=live)[0, :, :n]  # [R, Hkv, width] -> the live slots
+    torch.testing.assert_close(worker, KeyDiff().scores(keys[None])[0], rtol=0, atol=1e-6)
     oracle = KeyDiff().oracle_scores(keys)
     torch.testing.assert_close(worker, oracle, rtol=0, atol=1e-6)
     rank = (Pooling(pool),) if pool > 1 else ()
