@@ -71,26 +71,15 @@ class H2OBuilderMixin:
         # A hybrid model's sliding-window groups and a drafter's layers keep vLLM's own
         # metadata: only H2O's groups (h2o_specs) get a plan.
         self.h2o = h2o_config(vllm_config) if is_h2o_spec(kv_cache_spec) else None
-        # The last step built: its layers have all added their attention mass to ``H2OStep.mass``
-        # by the time the next step is built, which reads it, once (no sync on CUDA).
-        self._last_step: H2OStep | None = None
-        self._mass = DeferredMass()
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
         plan = plan_for(self.layer_names) if self.h2o is not None else None
         if plan is not None:
-            self._read_mass()
-            cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops)
-            self._last_step = step
+            cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops, self.layer_names[-1])
         metadata = super().build(common_prefix_len, cm, fast_build)
         return with_step(self.metadata_cls, metadata, step,
                          **(self.device_fields(cm, step) if step is not None else {}))
-
-    def _read_mass(self) -> None:
-        last, self._last_step = self._last_step, None
-        if last is not None and last.mass is not None:
-            self._mass.push(last.mass)
 
     def device_fields(self, cm, step: H2OStep) -> dict:
         """Fields of the device's metadata subclass besides ``h2o``, built once per step."""
@@ -114,9 +103,19 @@ class H2OImplMixin:
         self.scores: torch.Tensor | None = None
         self.records: torch.Tensor | None = None  # prefix caching: score records, same layout
         self._views: tuple[torch.Tensor, object] | None = None  # (kv_cache, its views)
+        self._mass = DeferredMass()  # used by a group's last layer only (H2OStep.last_layer)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        output = self._forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
+        step = getattr(attn_metadata, "h2o", None)
+        if step is not None and step.mass is not None and layer.layer_name == step.last_layer:
+            self._mass.push(step.mass)  # every layer of the group has added its mass
+        return output
+
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                 output_scale, output_block_scale):
         if attn_metadata is None:  # profiling and warm-up runs: vLLM's own answer
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)

@@ -45,8 +45,11 @@ class H2OStep:
     max_prefill_kv_len: int
     due: tuple[DuePass, ...]  # the step's compactions (worker.due_pass), () when no row is due
     # [2] fp32, device: the due rows' attention mass before and after compaction, summed over
-    # every layer of the step, read once by the builder (``DeferredMass``); None when no row is due.
+    # every layer of the step; None when no row is due. Read once, after ``last_layer``
+    # (``DeferredMass``): when the step is over, not at the next one, which an idle engine
+    # never starts and which a second build of the same batch would start too early.
     mass: torch.Tensor | None = None
+    last_layer: str = ""  # the group's last layer in forward order (its builder's layer_names[-1])
     # What the device's ops precompute once per step (the CPU's: a call that builds it on first use).
     device_index: Any = None
     # Decay and query weights (StepPlan.query_weights / score_scale) on the device; None on
@@ -98,7 +101,7 @@ def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
     return t.to(dtype).to(device, non_blocking=True)
 
 
-def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps):
+def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps, last_layer: str = ""):
     """vLLM's ``CommonAttentionMetadata`` moved into KV space, and the step's ``H2OStep``.
 
     seq_lens (the kernel's key counts) and slot_mapping (where K/V are written) come from the
@@ -110,7 +113,7 @@ def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps):
     cm = dataclasses.replace(cm, seq_lens=seq_lens, max_seq_len=int(plan.kv_seq_lens.max()),
                              slot_mapping=slots)
     step = make_step(plan, cm.block_table_tensor, slots, block_size)
-    step = dataclasses.replace(step, device_index=ops.step_index(step, block_size))
+    step = dataclasses.replace(step, device_index=ops.step_index(step, block_size), last_layer=last_layer)
     if plan.prefix is not None:
         step = dataclasses.replace(step, prefix=_prefix_step(plan, step, slots, block_size, ops))
     return cm, step
