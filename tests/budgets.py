@@ -50,3 +50,15 @@ def oracle(model, budget: dict, block_size: int, **kwargs):
     default interval is one block there as in vLLM); ``kwargs``: H2OOracle's (``stored_kv``)."""
     from h2o_vllm.oracle import H2OOracle
     return H2OOracle(model, H2OConfig.from_dict(budget), block_size=block_size, **kwargs)
+
+
+def oracle_matrix(model, budgets: dict[str, dict], block_size: int, prompts: list[list[int]], max_tokens: int,
+                  full: list[list[int]] | None = None) -> dict[str, list[list[int]]]:
+    """{budget name: the oracle's outputs on ``prompts``}, plus "full" (no eviction) on ``full``'s
+    prompts when given: every sequence of the matrix decodes in one batch of the model
+    (``generate_each``), several times faster than budget by budget."""
+    from h2o_vllm.oracle import H2OOracle, generate_each
+    jobs = {name: (oracle(model, budget, block_size), prompts) for name, budget in budgets.items()}
+    if full is not None:
+        jobs["full"] = (H2OOracle(model, None), full)
+    return dict(zip(jobs, generate_each(list(jobs.values()), max_tokens)))

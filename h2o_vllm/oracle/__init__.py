@@ -13,7 +13,7 @@ with the paper's defaults its arithmetic is the plain H2O sum (see ``H2OOracle``
     logprobs = ref.score(prompt, continuation)
 """
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
-from h2o_vllm.oracle.model import H2OOracle
+from h2o_vllm.oracle.model import H2OOracle, generate_each
 from h2o_vllm.oracle.stored_kv import FP8_E4M3, FP8_E4M3_CPU, StoredKV
 
-__all__ = ["FP8_E4M3", "FP8_E4M3_CPU", "H2OOracle", "LayerCache", "SequenceState", "StoredKV"]
+__all__ = ["FP8_E4M3", "FP8_E4M3_CPU", "H2OOracle", "generate_each", "LayerCache", "SequenceState", "StoredKV"]

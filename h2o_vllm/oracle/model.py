@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,8 @@ ATTN_IMPLEMENTATION = "h2o_oracle"
 
 
 @dataclass
-class _Step:
-    """What the attention function needs from the step in progress."""
+class _Row:
+    """One sequence of the step in progress: what the attention function needs from it."""
 
     state: SequenceState
     positions: torch.Tensor
@@ -38,39 +39,42 @@ class _Step:
     stored_kv: StoredKV
 
 
-_STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar("h2o_oracle_step", default=None)
+_STEP: contextvars.ContextVar[tuple[_Row, ...] | None] = contextvars.ContextVar("h2o_oracle_step", default=None)
 
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       softcap=None, sliding_window=None, s_aux=None, **kwargs):
-    """transformers' attention-function signature: ``query`` [1, q_heads, n, head_dim] and
-    ``key``/``value`` [1, kv_heads, n, head_dim] for this step's ``n`` tokens only (the model
-    runs without its own cache). Returns ([1, n, q_heads, head_dim], None).
+    """transformers' attention-function signature: ``query`` [B, q_heads, n, head_dim] and
+    ``key``/``value`` [B, kv_heads, n, head_dim] for this step's ``n`` tokens of each of its B
+    sequences only (the model runs without its own cache). Returns ([B, n, q_heads, head_dim], None).
 
     ``attention_mask`` is the model's causal mask over the step's own tokens, which
-    ``attend_and_score`` applies itself over the whole live cache. A ``sliding_window`` layer
-    is not evicted: it keeps every token and each query sees its last ``sliding_window``."""
-    step = _STEP.get()
-    if step is None:
-        raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs inside H2OOracle.step only")
-    state, index = step.state, module.layer_idx
-    if state.layers[index] is None:
-        state.layers[index] = LayerCache(key.shape[1], key.shape[-1], capacity=state.prompt_len + 64,
-                                         window=sliding_window)
-    cache = state.layers[index]
-    cache.append(*step.stored_kv.round(key[0].float(), value[0].float()), step.positions)
+    ``attend_and_score`` applies itself over each sequence's whole live cache. A ``sliding_window``
+    layer is not evicted: it keeps every token and each query sees its last ``sliding_window``."""
+    rows = _STEP.get()
+    if rows is None:
+        raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs inside H2OOracle steps only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend_and_score(query[0].float(), cache, scale, step.query_chunk, query_scale=step.query_scale,
-                           weights=step.weights, softcap=softcap,
-                           sinks=None if s_aux is None else s_aux.float())
-    return out.view(1, query.shape[2], query.shape[1], query.shape[3]).to(query.dtype), None
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1] * query.shape[3], dtype=torch.float32)
+    for b, row in enumerate(rows):  # each sequence attends over its own cache, as H2O evicts per sequence
+        state, index = row.state, module.layer_idx
+        if state.layers[index] is None:
+            state.layers[index] = LayerCache(key.shape[1], key.shape[-1], capacity=state.prompt_len + 64,
+                                             window=sliding_window)
+        cache = state.layers[index]
+        cache.append(*row.stored_kv.round(key[b].float(), value[b].float()), row.positions)
+        out[b] = attend_and_score(query[b].float(), cache, scale, row.query_chunk, query_scale=row.query_scale,
+                                  weights=row.weights, softcap=softcap,
+                                  sinks=None if s_aux is None else s_aux.float())
+    return out.view(query.shape[0], query.shape[2], query.shape[1], query.shape[3]).to(query.dtype), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _oracle_attention)
 
 
 class H2OOracle:
-    """Greedy generation and teacher-forced scoring with H2O eviction, one sequence at a time.
+    """Greedy generation and teacher-forced scoring with H2O eviction, each sequence its own H2O
+    instance (``generate_each`` runs the decode steps of many as one batch of the model).
 
     ``model``: a Hugging Face causal LM whose attention modules call transformers'
     ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Phi-3, Gemma 2/3, OPT, GPT-NeoX,
@@ -130,20 +134,7 @@ class H2OOracle:
                  eos_token_id: int | None = None) -> list[list[int]]:
         """Greedy continuation of each prompt: up to ``max_new_tokens`` new token ids per prompt
         (fewer only if ``eos_token_id`` is given and generated; it is included)."""
-        outputs, self.last_states = [], []
-        for prompt in prompts:
-            state = self.new_state(len(prompt))
-            generated: list[int] = []
-            logits = self.prefill(state, prompt)
-            while len(generated) < max_new_tokens:
-                token = int(logits.argmax())
-                generated.append(token)
-                if token == eos_token_id or len(generated) == max_new_tokens:
-                    break
-                logits = self.step(state, [token])
-            outputs.append(generated)
-            self.last_states.append(state)
-        return outputs
+        return generate_each([(self, prompts)], max_new_tokens, eos_token_id)[0]
 
     @torch.no_grad()
     def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
@@ -183,32 +174,76 @@ class H2OOracle:
         """One H2O step: the model's forward over the new tokens at their logical positions,
         each attention layer writing their K/V, attending and adding scores; then compact if
         due. Returns the fp32 next-token logits [vocab] of the last token."""
-        positions = torch.arange(state.num_tokens, state.num_tokens + len(token_ids))
-        step = _Step(state, positions, state.query_scale(), state.query_weights(positions), self.query_chunk,
-                     self.stored_kv)
-        kwargs = {"logits_to_keep": 1} if self._keep_last else {}
-        with self._attention(), _stepping(step):
-            logits = self.model(input_ids=torch.tensor([token_ids]), position_ids=positions[None],
-                                use_cache=False, **kwargs).logits
-        state.num_tokens += len(token_ids)
-        state.compact_if_due()
-        return logits[0, -1].float()
+        return _step(self.model, [(self, state, token_ids)])[0]
 
-    @contextlib.contextmanager
-    def _attention(self):
-        """The oracle's attention installed for one step, the model's own restored after (the
-        caller's model stays usable as it was)."""
-        previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        try:
-            yield
-        finally:
-            self.model.set_attn_implementation(previous)
+    def _row(self, state: SequenceState, positions: torch.Tensor) -> _Row:
+        return _Row(state, positions, state.query_scale(), state.query_weights(positions), self.query_chunk,
+                    self.stored_kv)
+
+
+@torch.no_grad()
+def generate_each(jobs: Sequence[tuple[H2OOracle, list[list[int]]]], max_new_tokens: int,
+                  eos_token_id: int | None = None) -> list[list[list[int]]]:
+    """``H2OOracle.generate`` of each (oracle, prompts) job, the decode steps of every sequence
+    of every job run as one batch of the shared model (its linear layers cost about the same
+    for one sequence as for a few dozen on a CPU). Each sequence still has its own budget,
+    cache and scores, and attends over them alone; the prompts run one by one (their steps
+    differ in length). Each oracle's ``last_states`` holds its sequences' states after."""
+    if len({id(oracle.model) for oracle, _ in jobs}) > 1:
+        raise ValueError("generate_each: the oracles of one batch share one model")
+    seqs = []  # [oracle, state, generated tokens, next-token logits]
+    for oracle, prompts in jobs:
+        oracle.last_states = [oracle.new_state(len(prompt)) for prompt in prompts]
+        seqs += [[oracle, state, [], oracle.prefill(state, prompt)]
+                 for state, prompt in zip(oracle.last_states, prompts)]
+    live = seqs
+    while live:
+        for seq in live:
+            seq[2].append(int(seq[3].argmax()))
+        live = [seq for seq in live if seq[2][-1] != eos_token_id and len(seq[2]) < max_new_tokens]
+        if live:
+            for seq, logits in zip(live, _step(live[0][0].model, [(o, st, [g[-1]]) for o, st, g, _ in live])):
+                seq[3] = logits
+    outputs, i = [], 0
+    for _, prompts in jobs:
+        outputs.append([seq[2] for seq in seqs[i:i + len(prompts)]])
+        i += len(prompts)
+    return outputs
+
+
+def _step(model: torch.nn.Module, batch: Sequence[tuple[H2OOracle, SequenceState, list[int]]]) -> list[torch.Tensor]:
+    """One H2O step of each (oracle, state, new tokens) in one forward of ``model``: every
+    attention layer writes each sequence's K/V, attends and adds scores over that sequence's
+    cache; then each compacts if due. The sequences' new tokens are equally many. Returns each
+    one's fp32 next-token logits [vocab] of its last token."""
+    rows = tuple(oracle._row(state, torch.arange(state.num_tokens, state.num_tokens + len(tokens)))
+                 for oracle, state, tokens in batch)
+    kwargs = {"logits_to_keep": 1} if batch[0][0]._keep_last else {}
+    with _attention(model), _stepping(rows):
+        logits = model(input_ids=torch.tensor([tokens for _, _, tokens in batch]),
+                       position_ids=torch.stack([row.positions for row in rows]), use_cache=False,
+                       **kwargs).logits
+    for (_, state, tokens) in batch:
+        state.num_tokens += len(tokens)
+        state.compact_if_due()
+    return [logits[b, -1].float() for b in range(len(batch))]
 
 
 @contextlib.contextmanager
-def _stepping(step: _Step):
-    token = _STEP.set(step)
+def _attention(model: torch.nn.Module):
+    """The oracle's attention installed for one step, the model's own restored after (the
+    caller's model stays usable as it was)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def _stepping(rows: tuple[_Row, ...]):
+    token = _STEP.set(rows)
     try:
         yield
     finally:

@@ -11,7 +11,7 @@ on one worker).
 import pytest
 import torch
 
-from budgets import extra_args, oracle
+from budgets import extra_args, oracle_matrix
 from cuda_path import CUDA_PATH_RUNS, DEVICE
 from engines import (V2_ENV, check_block_lists, greedy, in_fresh_process, random_prompts,
                      repeated_passages, run_steps, scheduler_of, spec_decode_counts, vllm_engine)
@@ -66,13 +66,10 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     CPU engine under the Triton interpreter; SmolLM2's first four layers copy the repeated
     passages."""
     from transformers import AutoModelForCausalLM
-
-    from h2o_vllm.oracle import H2OOracle
     prompts = repeated_passages(smollm2_4_layers_dir, ((16, 3), (24, 2)))
     model = AutoModelForCausalLM.from_pretrained(smollm2_4_layers_dir, dtype=torch.float32).eval()
-    expected = {name: oracle(model, b, 16).generate(prompts, CUDA_PATH_TOKENS)
-                for name, b in CUDA_PATH_BUDGETS.items()}
-    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
+    expected = oracle_matrix(model, CUDA_PATH_BUDGETS, 16, prompts, CUDA_PATH_TOKENS, full=prompts)
+    full = expected.pop("full")
     spec = {**NGRAM, "method": speculator} if speculator.startswith("ngram") else {
         "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
     outputs, (drafts, accepted), evicted, whole = in_fresh_process(
@@ -110,14 +107,12 @@ def test_model_drafters_on_the_cuda_path_equal_the_oracle(mirrored_drafter, meth
     prepared while the previous step's drafts are unverified; the scheduler holds back a
     compaction behind them and the worker plans on the verified counts."""
     from transformers import AutoModelForCausalLM
-
-    from h2o_vllm.oracle import H2OOracle
     target, spec = mirrored_drafter(method, 3)
     prompts = random_prompts([20, 30, 40, 25], seed=4)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    expected = {name: oracle(model, CUDA_PATH_BUDGETS[name], 16).generate(prompts, CUDA_PATH_TOKENS)
-                for name in budgets}
-    full = H2OOracle(model, None).generate(prompts, CUDA_PATH_TOKENS)
+    expected = oracle_matrix(model, {name: CUDA_PATH_BUDGETS[name] for name in budgets}, 16, prompts,
+                             CUDA_PATH_TOKENS, full=prompts)
+    full = expected.pop("full")
     outputs, (drafts, accepted), evicted, whole = in_fresh_process(
         _cuda_path_speculative_run, target, prompts, spec, v2, scheduling == "async", budgets,
         env={**DEVICE.get("env", {}), V2_ENV: v2})

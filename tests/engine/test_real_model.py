@@ -4,9 +4,8 @@ real English text (the GPL-3)."""
 import pytest
 import torch
 
-from budgets import extra_args, oracle
+from budgets import extra_args, oracle_matrix
 from engines import generate_ids, greedy, vllm_engine
-from h2o_vllm.oracle import H2OOracle
 
 BLOCK = 32
 MAX_TOKENS = 32
@@ -30,10 +29,7 @@ def oracle_outputs(smollm2_dir, prompts):
     (the oracle is several times slower once an engine has shared the process)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    outputs = {name: oracle(model, budget, BLOCK).generate(prompts, MAX_TOKENS)
-               for name, budget in BUDGETS.items()}
-    outputs["full"] = H2OOracle(model, None).generate(prompts, MAX_TOKENS)
-    return outputs
+    return oracle_matrix(model, BUDGETS, BLOCK, prompts, MAX_TOKENS, full=prompts)
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +76,9 @@ def gemma3_prompts(gemma3_dir):
 def gemma3_oracle(gemma3_dir, gemma3_prompts):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
-    outputs = {name: oracle(model, budget, GEMMA3_BLOCK).generate(gemma3_prompts, GEMMA3_MAX_TOKENS)
-               for name, budget in GEMMA3_RUNS.items()}
     # The control, on the longest prompt only (the oracle's time is most of this module's).
-    outputs["full"] = H2OOracle(model, None).generate(gemma3_prompts[:1], GEMMA3_MAX_TOKENS)
-    return outputs
+    return oracle_matrix(model, GEMMA3_RUNS, GEMMA3_BLOCK, gemma3_prompts, GEMMA3_MAX_TOKENS,
+                         full=gemma3_prompts[:1])
 
 
 @pytest.fixture(scope="module")

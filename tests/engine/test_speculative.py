@@ -18,10 +18,9 @@ has no attribute 'get'), in this module or the next one pytest-xdist runs here.
 import pytest
 import torch
 
-from budgets import extra_args, oracle
+from budgets import extra_args, oracle_matrix
 from engines import (V2_ENV, check_block_lists, greedy, in_fresh_process, random_prompts, repeated_passages,
                      run_steps, scheduler_of, spec_decode_counts, stock_admission, vllm_engine)
-from h2o_vllm.oracle import H2OOracle
 from h2o_vllm.vllm_hooks.triton_on_cpu import SWITCH
 
 BLOCK = 32
@@ -63,10 +62,7 @@ def oracle_outputs(smollm2_dir, prompts):
     """Before any engine runs in this process (the oracle is slower after)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    outputs = {name: oracle(model, budget, BLOCK).generate(prompts, MAX_TOKENS)
-               for name, budget in BUDGETS.items()}
-    outputs["full"] = H2OOracle(model, None).generate(prompts, MAX_TOKENS)
-    return outputs
+    return oracle_matrix(model, BUDGETS, BLOCK, prompts, MAX_TOKENS, full=prompts)
 
 
 def _smollm2_rounds(model_dir, prompts, speculative_config=NGRAM):
@@ -252,10 +248,7 @@ def eagle_prompts():
 def _eagle_oracle(target, prompts) -> dict[str, list[list[int]]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    outputs = {name: oracle(model, b, EAGLE_BLOCK).generate(prompts, EAGLE_TOKENS)
-               for name, b in EAGLE_BUDGETS.items()}
-    outputs["full"] = H2OOracle(model, None).generate(prompts, EAGLE_TOKENS)
-    return outputs
+    return oracle_matrix(model, EAGLE_BUDGETS, EAGLE_BLOCK, prompts, EAGLE_TOKENS, full=prompts)
 
 
 def _eagle_matrix(target, prompts, speculative_config):
