@@ -60,6 +60,9 @@ def _oracle_attention(module, query, key, value, attention_mask, scaling=None, d
     cache = state.layers[index]
     cache.append(*step.stored_kv.round(key[0].float(), value[0].float()), step.positions)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = state.budget.key_scorer.query_window if state.budget and state.budget.key_scorer else 0
+    if window:  # what a key scorer reads at this step's compaction
+        cache.queries, cache.scale = query[0, :, -window:].float(), scale
     out = attend_and_score(query[0].float(), cache, scale, step.query_chunk, query_scale=step.query_scale,
                            weights=step.weights, softcap=softcap,
                            sinks=None if s_aux is None else s_aux.float())
@@ -165,7 +168,20 @@ class H2OOracle:
         """An empty sequence whose budget is taken from ``prompt_len``."""
         layers: list[LayerCache | None] = [None] * self.num_layers  # made by the first step
         budget = None if self.config is None else self.config.budget(prompt_len, self.block_size)
-        return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers)
+        return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers, rotate=self._rotate)
+
+    def _rotate(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own RoPE (its ``rotary_emb``, the full-attention layers' in a hybrid
+        model) at positions ``deltas``: (cos, sin) [m, head_dim] fp32, the rotation by each
+        position difference. Written apart from the engine's ``score_modes.rotary``."""
+        rotary = next(m for name, m in self.model.named_modules() if name.endswith("rotary_emb"))
+        x = torch.zeros(1, dtype=torch.float32)
+        args = ("full_attention",) if getattr(rotary, "layer_types", None) else ()
+        cos, sin = rotary(x, deltas[None].long(), *args)
+        scaling = getattr(rotary, "attention_scaling", 1.0)
+        if isinstance(scaling, float) and scaling != 1.0:
+            raise ValueError(f"the oracle's Expected Attention needs a pure rotation; this RoPE scales by {scaling}")
+        return cos[0].float(), sin[0].float()
 
     @torch.no_grad()
     def prefill(self, state: SequenceState, prompt: list[int]) -> torch.Tensor:

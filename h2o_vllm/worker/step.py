@@ -5,7 +5,7 @@ Runs in the worker process. ``kv_space_metadata`` runs once per step in a metada
 ``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
 KV-space slots and attended: zero the scores of the slots just written, add this step's
 probabilities, select each due row's keep-set per head (ranked by its scores, or by a score of
-its live keys: ``key_scores``), compact, account the attention mass.
+its live cache: ``worker.key_scores``), compact, account the attention mass.
 A device supplies ``DeviceOps``: how to view its cache, accumulate and compact. Imports no
 vLLM, so the whole sequence runs on CPU tensors in unit tests.
 Cache views: keys / values [num_blocks, block_size, num_kv_heads, head_size] (strided views
@@ -22,7 +22,9 @@ import torch
 from h2o_vllm import metrics
 from h2o_vllm.policy import select_keep
 from h2o_vllm.score_modes import ScoreMode, Scorer
+from h2o_vllm.score_modes.rotary import Rotary
 from h2o_vllm.worker import prefix_records
+from h2o_vllm.worker.key_scores import key_scores
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
 
@@ -84,6 +86,9 @@ class DeviceOps(Protocol):
     def read_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys gathered from ``cache_views(...).keys`` in fp32, as the attention reads them
         (``worker.kv_dtype``: an fp8 cache's dequantised)."""
+
+    def read_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Values gathered from ``cache_views(...).values`` in fp32, as ``read_keys``."""
 
     def cache_views(self, kv_cache: torch.Tensor) -> Any:
         """An object with ``keys`` and ``values``: [num_blocks, block_size, num_kv_heads, head_size]."""
@@ -232,7 +237,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
                               scores: torch.Tensor, scale: float,
                               records: torch.Tensor | None = None, *,
                               accumulated: bool = False, softcap: float = 0.0,
-                              sink_logits: torch.Tensor | None = None) -> torch.Tensor | None:
+                              sink_logits: torch.Tensor | None = None,
+                              rotary: Rotary | None = None) -> torch.Tensor | None:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (scaled and
     weighted by the score modes on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -260,20 +266,13 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
     mass = torch.zeros(2, dtype=torch.float32, device=scores.device)
     for group in step.due:
         live = scores[group.blocks, :, group.offsets[None, :]].transpose(1, 2)  # [R, Hkv, kv_len]
-        ranked = live if group.key_scorer is None else key_scores(group, ops, views)
+        ranked = live if group.key_scorer is None else key_scores(group, ops, views, step, query, scale, rotary)
         keep = select_keep(ranked, group.heavy, group.target - group.sink_tokens - group.heavy,
                            group.sink_tokens, group.rank)                             # [R, Hkv, target]
         mass[0] += live.sum()
         mass[1] += live.gather(-1, keep).sum()
         ops.compact(views, scores, step.compact_table, group.rows, keep)
     return mass
-
-
-def key_scores(group: DueGroup, ops: DeviceOps, views: Any) -> torch.Tensor:
-    """[R, Hkv, kv_len] fp32: the group's key score of each live slot (docs/semantics.md,
-    "KeyDiff"), from the keys the attention read, gathered as ``live`` is."""
-    keys = views.keys[group.blocks, group.offsets[None, :]]  # [R, kv_len, Hkv, head_size]
-    return group.key_scorer.scores(ops.read_keys(keys).transpose(1, 2))
 
 
 class DeferredMass:
