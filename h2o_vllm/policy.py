@@ -122,6 +122,23 @@ def prefill_step_limit(num_computed: int, prompt_len: int, chunk: int | None) ->
     return chunk_end(num_computed, prompt_len, chunk) - num_computed
 
 
+def window_step_limit(num_computed: int, num_new_tokens: int, prompt_len: int, chunk: int | None,
+                      window: int) -> int:
+    """The tokens a prefill step may process so that the step that ends a prefill chunk holds
+    the chunk's last ``window`` queries (all of a shorter chunk): a key scorer that reads the
+    compacting step's queries (``Scorer.query_window``: Expected Attention) then reads the same
+    queries however vLLM splits the chunk. Either the step ends the chunk or it leaves at least
+    that many queries to the step that will (0: not this step; vLLM's own prefill lookahead
+    for MTP drafters does the same). A step already inside the window is left as it is."""
+    if not window or num_computed >= prompt_len:
+        return num_new_tokens
+    size = prompt_chunk(prompt_len, chunk)
+    end = chunk_end(num_computed, prompt_len, chunk)
+    start = max(num_computed // size * size, end - window)  # the window's first query
+    stops_inside = start < num_computed + num_new_tokens < end
+    return start - num_computed if num_computed <= start and stops_inside else num_new_tokens
+
+
 def draft_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
     """The most tokens a speculative verification step starting at ``num_computed`` may
     process (docs/semantics.md, "Speculative decoding"): it must end before the token whose

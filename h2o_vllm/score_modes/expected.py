@@ -79,13 +79,12 @@ class ExpectedAttention(Scorer):
 
         cos, sin = context.rotate(torch.arange(1, FUTURE_POSITIONS + 1))
         ahead = rotation(cos.sum(dim=0) / FUTURE_POSITIONS, sin.sum(dim=0) / FUTURE_POSITIONS)
+        cos, sin = context.rotate(torch.arange(n))
+        back = [rotation(cos[n - 1 - i], sin[n - 1 - i]) for i in range(n)]  # query i to the last's position
         out = torch.zeros(heads, kv_len)
         for h in range(heads):
             for j in range(group):  # one query head at a time: the rule as written
-                moved = []
-                for i in range(n):
-                    cos, sin = context.rotate(torch.tensor([n - 1 - i]))
-                    moved.append(rotation(cos[0], sin[0]) @ context.queries[h, j, i])
+                moved = [back[i] @ context.queries[h, j, i] for i in range(n)]
                 mu = sum(moved[1:], moved[0].clone()) / n
                 sigma = torch.zeros(d, d)
                 for q in moved:
