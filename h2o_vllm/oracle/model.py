@@ -21,6 +21,7 @@ from h2o_vllm.config import H2OConfig
 from h2o_vllm.oracle.attention import DEFAULT_QUERY_CHUNK, attend_and_score
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
 from h2o_vllm.oracle.stored_kv import StoredKV
+from h2o_vllm.score_modes.expected import FUTURE_POSITIONS
 
 #: The registry name the oracle's attention is installed under while a step runs.
 ATTN_IMPLEMENTATION = "h2o_oracle"
@@ -127,6 +128,7 @@ class H2OOracle:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_states: list[SequenceState] = []
+        self._rotations: tuple[torch.Tensor, torch.Tensor] | None = None  # _rotate's table
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -173,15 +175,18 @@ class H2OOracle:
     def _rotate(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own RoPE (its ``rotary_emb``, the full-attention layers' in a hybrid
         model) at positions ``deltas``: (cos, sin) [m, head_dim] fp32, the rotation by each
-        position difference. Written apart from the engine's ``score_modes.rotary``."""
-        rotary = next(m for name, m in self.model.named_modules() if name.endswith("rotary_emb"))
-        x = torch.zeros(1, dtype=torch.float32)
-        args = ("full_attention",) if getattr(rotary, "layer_types", None) else ()
-        cos, sin = rotary(x, deltas[None].long(), *args)
-        scaling = getattr(rotary, "attention_scaling", 1.0)
-        if isinstance(scaling, float) and scaling != 1.0:
-            raise ValueError(f"the oracle's Expected Attention needs a pure rotation; this RoPE scales by {scaling}")
-        return cos[0].float(), sin[0].float()
+        position difference. Written apart from the engine's ``score_modes.rotary``; a table
+        of positions 0.. is made once and grown as asked (every compaction asks the same)."""
+        if self._rotations is None or int(deltas.max()) >= self._rotations[0].shape[0]:
+            rotary = next(m for name, m in self.model.named_modules() if name.endswith("rotary_emb"))
+            args = ("full_attention",) if getattr(rotary, "layer_types", None) else ()
+            positions = torch.arange(max(int(deltas.max()) + 1, 2 * FUTURE_POSITIONS))
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None], *args)
+            if not torch.allclose(cos * cos + sin * sin, torch.ones(()), atol=1e-5):
+                raise ValueError("the oracle's Expected Attention needs a RoPE that only rotates; "
+                                 "this model's scales its cos and sin (an attention factor)")
+            self._rotations = (cos[0].float(), sin[0].float())
+        return self._rotations[0][deltas], self._rotations[1][deltas]
 
     @torch.no_grad()
     def prefill(self, state: SequenceState, prompt: list[int]) -> torch.Tensor:

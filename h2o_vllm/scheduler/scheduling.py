@@ -43,9 +43,10 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
     cut where they would reach the request's next compaction (``policy.draft_step_limit``:
     docs/semantics.md, "Speculative decoding"); and a step that would stop inside the last
     queries of a chunk that a key scorer reads (``policy.window_step_limit``). The tokens
-    already known are never cut, with one exception: under async scheduling, a step that would compact while an earlier step's
-    drafts are still unverified is not scheduled yet (0), because ``num_computed_tokens``
-    counts those drafts as accepted, and after a rejection the compaction is not there."""
+    already known are never cut, with one exception: under async scheduling, a step that
+    would compact while an earlier step's drafts are still unverified is not scheduled yet
+    (0), because ``num_computed_tokens`` counts those drafts as accepted, and after a
+    rejection the compaction is not there."""
     known = request.num_tokens + request.num_output_placeholders - num_computed_tokens
     if _padded(request, known, num_new_tokens):
         return num_new_tokens  # vLLM asserts the padding whole: ``drop_padding`` may take it off

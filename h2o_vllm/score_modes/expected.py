@@ -20,7 +20,8 @@ from h2o_vllm.score_modes.base import QueryContext, Scorer
 
 #: The row's last queries of the compacting step whose statistics model the future queries
 #: (all of them when the step has fewer: a decode step's one query, whose covariance is 0).
-QUERY_WINDOW = 64
+#: SnapKV's observation window, the one this project recommends for ``obs_window``.
+QUERY_WINDOW = 32
 #: The future positions the statistics are moved ahead to, averaged (kvpress's default).
 FUTURE_POSITIONS = 512
 #: Added to each expected attention before the value norm multiplies it (kvpress's default 0:
@@ -83,7 +84,7 @@ class ExpectedAttention(Scorer):
         back = [rotation(cos[n - 1 - i], sin[n - 1 - i]) for i in range(n)]  # query i to the last's position
         out = torch.zeros(heads, kv_len)
         for h in range(heads):
-            for j in range(group):  # one query head at a time: the rule as written
+            for j in range(group):  # one query head at a time, its statistics query by query
                 moved = [back[i] @ context.queries[h, j, i] for i in range(n)]
                 mu = sum(moved[1:], moved[0].clone()) / n
                 sigma = torch.zeros(d, d)
@@ -91,9 +92,8 @@ class ExpectedAttention(Scorer):
                     sigma += torch.outer(q - mu, q - mu)
                 sigma /= n
                 mu, sigma = ahead @ mu, ahead @ sigma @ ahead.T
-                logit = torch.stack([context.scale * torch.dot(keys[h, t], mu)
-                                     + 0.5 * context.scale ** 2 * torch.dot(keys[h, t], sigma @ keys[h, t])
-                                     for t in range(kv_len)])
+                spread = ((keys[h] @ sigma) * keys[h]).sum(dim=-1)  # k_t^T Sigma k_t, per token
+                logit = context.scale * (keys[h] @ mu) + 0.5 * context.scale ** 2 * spread
                 weight = torch.exp(logit - logit.max())
                 out[h] += weight / weight.sum() / group
         norms = torch.sqrt((context.values * context.values).sum(dim=-1))
