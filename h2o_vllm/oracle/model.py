@@ -100,7 +100,9 @@ class H2OOracle:
       (``attend_and_score``; ``a``: ``SequenceState.query_scale``, ``w_i``: ``query_weight``),
       and the first compaction ranks by ``ScoreMode.oracle_rank``; with ``a = 1`` and every
       weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged. With
-      ``score: keydiff`` every compaction ranks by ``KeyDiff.oracle_scores`` of the live keys.
+      ``score: keydiff`` every compaction ranks by ``KeyDiff.oracle_scores`` of the live keys;
+      with ``score: expected`` by ``ExpectedAttention.oracle_scores`` of the live K/V and the
+      last step's queries, moved ahead with the model's ``rotary_emb``.
 
     - ``prefill_chunk``: the prompt is written one chunk per step (``prefill``), the cadence
       checked after each, so a chunk's queries attend over what earlier chunks kept.

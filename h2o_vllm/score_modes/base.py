@@ -15,7 +15,7 @@ changes, each as a hook that the generic code calls for every registered mode
   fused update ``s <- score_scale[row] * s + sum_i query_weight[i] * p_i`` (the kernels take
   only those); ``rank``, how the first compaction ranks the heavy candidates;
   ``key_scorer``, what replaces the accumulated scores at every compaction with a score read
-  from the live keys (``Scorer``: KeyDiff), None for the accumulated attention;
+  from the live cache (``Scorer``: KeyDiff, Expected Attention), None for the accumulated attention;
 - prefix-cache records: ``record_key`` (what a prefix's scores depend on) and
   ``unrecorded_hit`` (records off, and how far a hit may reach without one);
 - the dense oracle: ``oracle_query_scale``, ``oracle_query_weight`` and ``oracle_rank``, the
