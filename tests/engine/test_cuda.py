@@ -44,11 +44,10 @@ else:
     # Absolute and ratio, Local, interval 1 and one block.
     # Plus every score mode at once: the weighted Triton score kernels and sink selection;
     # and pooling, which ranks the prompt's compaction on the device; and KeyDiff, which ranks
-    # from the keys the device gathers from its cache; and Expected Attention, which also reads
-    # the values and the step's queries.
+    # from the keys the device gathers from its cache.
     BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1",
                     "all-modes-tokens-6+6-interval1", "pool-5-window-8-tokens-8+8-interval1",
-                    "keydiff-pool-5-sinks-2-tokens-8+8-interval1", "expected-pool-5-sinks-2-tokens-8+8-interval1"]
+                    "keydiff-pool-5-sinks-2-tokens-8+8-interval1"]
     # The engine core in process, so the blocks and the mixed prefill + decode steps are
     # checked after every step: with the scheduler a step ahead of the worker (async) and
     # without, on both model runners. A pool of 12 blocks (192 tokens) makes the matrix preempt.
