@@ -152,6 +152,21 @@ def draft_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
     return max(1, budget.tokens + budget.interval - 1 - kv_len)
 
 
+def replay_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
+    """The most tokens a step starting at ``num_computed`` may process so that it stops where
+    the uninterrupted request's steps stopped at each compaction: inside the prompt, at the
+    prompt's end (its chunks' ends are ``prefill_step_limit``'s); past it, before the next
+    token whose check compacts, which then runs alone (``draft_step_limit``'s rule). A running
+    request decodes one token a step and never meets it; a recompute after a preemption holds
+    its prompt and outputs, and one step over them would compact once, at its end, from its
+    own queries. Cut so, its compactions come where they came and each reads the queries the
+    uninterrupted step read: a decode compaction's one query (docs/semantics.md,
+    "Expected Attention")."""
+    if num_computed < prompt_len:
+        return prompt_len - num_computed
+    return draft_step_limit(num_computed, prompt_len, budget)
+
+
 def step_compacts(num_computed: int, num_tokens: int, prompt_len: int, budget: Budget) -> bool:
     """Whether a step of ``num_tokens`` tokens starting at ``num_computed`` ends in a
     compaction: the cache it leaves is shorter than the one it started with plus its tokens."""

@@ -1,11 +1,13 @@
 """``ExpectedAttention`` (``score: expected``): the rule against kvpress's statement of it on
 pre-RoPE queries (by hand, fp64), the worker's batched statement against the oracle's
-token-by-token one (scores and keep-sets), the RoPE it reads, the step rule that holds its
-query window, and its refusals."""
+token-by-token one (scores and keep-sets), the RoPE it reads, the step rules that hold its
+query window (a recompute's too), and its refusals."""
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from vllm.exceptions import VLLMValidationError
@@ -14,7 +16,8 @@ from h2o_vllm.config import H2OConfig
 from h2o_vllm.frontend.conflicts import check_score
 from h2o_vllm.frontend.requests import check_request_fits
 from h2o_vllm.oracle.cache import LayerCache
-from h2o_vllm.policy import select_keep, window_step_limit
+from h2o_vllm.policy import (prefill_step_limit, replay_step_limit, select_keep, step_compacts,
+                             window_step_limit)
 from h2o_vllm.scheduler.prefix_hits import unrecorded_hit
 from h2o_vllm.score_modes import ExpectedAttention, Pooling, QueryContext
 from h2o_vllm.score_modes.expected import FUTURE_POSITIONS, QUERY_WINDOW
@@ -193,3 +196,60 @@ def test_the_step_that_ends_a_chunk_holds_its_query_window(num_computed, offered
     assert QUERY_WINDOW == 32  # the cases' numbers
     assert window_step_limit(num_computed, offered, prompt_len, chunk, QUERY_WINDOW) == want
     assert window_step_limit(num_computed, offered, prompt_len, chunk, 0) == offered
+
+
+def _steps(num_computed: int, end: int, prompt_len: int, budget, offers) -> list[tuple[int, int]]:
+    """The (start, end) of the steps an Expected Attention request runs from ``num_computed``
+    to ``end`` tokens when vLLM offers ``offers()`` tokens a step (its token budget), cut as
+    ``scheduling.limit_step`` cuts them; a step given 0 waits for a larger offer."""
+    steps = []
+    while num_computed < end:
+        offered = min(offers(), end - num_computed)
+        limit = prefill_step_limit(num_computed, prompt_len, budget.prefill_chunk)
+        n = offered if limit is None else min(offered, limit)
+        n = min(n, replay_step_limit(num_computed, prompt_len, budget))
+        n = window_step_limit(num_computed, n, prompt_len, budget.prefill_chunk, QUERY_WINDOW)
+        if n:
+            steps.append((num_computed, num_computed + n))
+            num_computed += n
+    return steps
+
+
+def _compactions(steps, prompt_len: int, budget) -> list[tuple[int, int]]:
+    """Each compaction as (tokens processed, first query the worker reads): the step's last
+    ``QUERY_WINDOW`` queries (``worker.key_scores``)."""
+    return [(b, max(a, b - QUERY_WINDOW)) for a, b in steps if step_compacts(a, b - a, prompt_len, budget)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_len=st.integers(1, 120), heavy=st.integers(1, 12), recent=st.integers(1, 12),
+       interval=st.integers(1, 20), chunk=st.sampled_from([None, 7, 40]), outputs=st.integers(0, 40),
+       preempted=st.integers(0, 160), data=st.data())
+def test_a_recompute_compacts_where_and_from_the_queries_the_uninterrupted_run_did(
+        prompt_len, heavy, recent, interval, chunk, outputs, preempted, data):
+    """The prompt in vLLM's steps, then one token a step; preempted after ``preempted`` tokens
+    and recomputed from 0 over the prompt and the outputs so far, in steps of whatever vLLM
+    offers: the recompute compacts at the token counts where the uninterrupted run did, each
+    time from the same queries (a decode compaction's one query), so it keeps what the
+    uninterrupted run kept (docs/semantics.md, "Expected Attention", "Preemption")."""
+    budget = H2OConfig(score="expected", heavy_tokens=heavy, recent_tokens=recent, interval=interval,
+                       prefill_chunk=chunk).budget(prompt_len, 16)
+    end = prompt_len + outputs
+    preempted = min(preempted, end)
+
+    def offers():
+        return data.draw(st.integers(QUERY_WINDOW, 200))  # vLLM's token budget never below the window
+
+    uninterrupted = _steps(0, prompt_len, prompt_len, budget, offers) + [(n, n + 1) for n in range(prompt_len, end)]
+    recompute = _steps(0, preempted, prompt_len, budget, offers)
+    assert _compactions(recompute, prompt_len, budget) == [
+        c for c in _compactions(uninterrupted, prompt_len, budget) if c[0] <= preempted]
+
+
+def test_a_recompute_stops_at_the_prompts_end_and_runs_each_compacting_decode_token_alone():
+    # The CUDA path's case: 17 tokens compact to 16 at the prompt's end, then every token does.
+    budget = H2OConfig(score="expected", heavy_tokens=8, recent_tokens=8, interval=1).budget(17, 16)
+    assert [replay_step_limit(n, 17, budget) for n in (0, 5, 17, 18, 30)] == [17, 12, 1, 1, 1]
+    # Interval 4: the prompt's end finds 17 < 20 tokens; the 20th token compacts, then every 4th.
+    budget = H2OConfig(score="expected", heavy_tokens=8, recent_tokens=8, interval=4).budget(17, 16)
+    assert [replay_step_limit(n, 17, budget) for n in (0, 17, 18, 19, 20, 23)] == [17, 2, 1, 1, 3, 1]
