@@ -102,6 +102,9 @@ MODES: dict[str, dict[str, Any]] = {
     # KeyDiff (score: keydiff): ranked by the keys, not the attention; pooled like window+pool.
     "keydiff": {"score": "keydiff"},
     "keydiff+pool": {"score": "keydiff", "pool_kernel": 15},
+    # Expected Attention (score: expected): the attention the next queries are expected to give.
+    "expected": {"score": "expected"},
+    "expected+pool": {"score": "expected", "pool_kernel": 15},
     # The budget floor (min_tokens) on short prompts; floor0 is the paper's rule.
     "floor0": {"min_tokens": 0},
     "floor16": {"min_tokens": 16},

@@ -122,6 +122,23 @@ def prefill_step_limit(num_computed: int, prompt_len: int, chunk: int | None) ->
     return chunk_end(num_computed, prompt_len, chunk) - num_computed
 
 
+def window_step_limit(num_computed: int, num_new_tokens: int, prompt_len: int, chunk: int | None,
+                      window: int) -> int:
+    """The tokens a prefill step may process so that the step that ends a prefill chunk holds
+    the chunk's last ``window`` queries (all of a shorter chunk): a key scorer that reads the
+    compacting step's queries (``Scorer.query_window``: Expected Attention) then reads the same
+    queries however vLLM splits the chunk. Either the step ends the chunk or it leaves at least
+    that many queries to the step that will (0: not this step; vLLM's own prefill lookahead
+    for MTP drafters does the same). A step already inside the window is left as it is."""
+    if not window or num_computed >= prompt_len:
+        return num_new_tokens
+    size = prompt_chunk(prompt_len, chunk)
+    end = chunk_end(num_computed, prompt_len, chunk)
+    start = max(num_computed // size * size, end - window)  # the window's first query
+    stops_inside = start < num_computed + num_new_tokens < end
+    return start - num_computed if num_computed <= start and stops_inside else num_new_tokens
+
+
 def draft_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
     """The most tokens a speculative verification step starting at ``num_computed`` may
     process (docs/semantics.md, "Speculative decoding"): it must end before the token whose
@@ -133,6 +150,21 @@ def draft_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
     none. Past the prompt only (drafts exist only there)."""
     kv_len = kv_len_after(num_computed, prompt_len, budget)
     return max(1, budget.tokens + budget.interval - 1 - kv_len)
+
+
+def replay_step_limit(num_computed: int, prompt_len: int, budget: Budget) -> int:
+    """The most tokens a step starting at ``num_computed`` may process so that it stops where
+    the uninterrupted request's steps stopped at each compaction: inside the prompt, at the
+    prompt's end (its chunks' ends are ``prefill_step_limit``'s); past it, before the next
+    token whose check compacts, which then runs alone (``draft_step_limit``'s rule). A running
+    request decodes one token a step and never meets it; a recompute after a preemption holds
+    its prompt and outputs, and one step over them would compact once, at its end, from its
+    own queries. Cut so, its compactions come where they came and each reads the queries the
+    uninterrupted step read: a decode compaction's one query (docs/semantics.md,
+    "Expected Attention")."""
+    if num_computed < prompt_len:
+        return prompt_len - num_computed
+    return draft_step_limit(num_computed, prompt_len, budget)
 
 
 def step_compacts(num_computed: int, num_tokens: int, prompt_len: int, budget: Budget) -> bool:

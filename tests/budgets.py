@@ -35,6 +35,10 @@ MODES = {
     # modes it composes with; decay and obs_window it refuses).
     "keydiff-pool-5-sinks-2-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1,
                                                     "score": "keydiff", "pool_kernel": 5, "sink_tokens": 2},
+    # Expected Attention reads the compacting step's last queries (a prompt's, held whole or in
+    # 64-token steps, then each decode query), pooled at the first compaction, beside sinks.
+    "expected-pool-5-sinks-2-tokens-8+8-interval1": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1,
+                                                     "score": "expected", "pool_kernel": 5, "sink_tokens": 2},
 }
 
 #: Larger than every sequence in the tests: H2O must then be token-identical to stock vLLM.

@@ -15,6 +15,8 @@ from typing import Any
 
 from h2o_vllm.config import MAX_PENDING, H2OConfig
 from h2o_vllm.kv_transfer import transfer_config
+from h2o_vllm.score_modes import Score
+from h2o_vllm.score_modes.rotary import rotary_of
 
 _OFF = "or turn H2O KV eviction off (drop --kv-eviction h2o / additional_config['h2o'])"
 
@@ -50,6 +52,7 @@ def check_vllm_config(vllm_config: Any, h2o: H2OConfig) -> None:
     model = getattr(vllm_config, "model_config", None)
     if model is not None:
         check_model(model)
+        check_score(vllm_config, h2o.score)
         if kv_transfer is not None:
             transfer_config.check_model(model, SLIDING_LAYERS, way_out=_OFF)
         check_budget_fits(h2o, model.max_model_len, vllm_config.cache_config.block_size)
@@ -86,6 +89,22 @@ def check_model(model_config: Any) -> None:
     if odd_layers:
         refuse(f"layer_types {odd_layers}", "H2O evicts from full-attention layers and leaves "
                "sliding-window layers to vLLM's window; layers of another kind are not supported")
+
+
+def check_score(vllm_config: Any, score: str | None, key: str = "h2o.score") -> None:
+    """Refuse a key scorer that reads queries (``Scorer.query_window``: Expected Attention) where
+    it cannot run as its rule says: a RoPE it cannot move ahead (``score_modes.rotary``), or a
+    step too small for its query window (``policy.window_step_limit`` would never schedule it)."""
+    scorer = Score(score).key_scorer() if score is not None else None
+    if scorer is None or not scorer.query_window:
+        return
+    rotary_of(vllm_config.model_config.hf_text_config, key)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    step = getattr(scheduler, "max_num_batched_tokens", None)
+    if step is not None and step < scorer.query_window:
+        raise ValueError(f"{key} {score!r} reads the last {scorer.query_window} queries of the step that "
+                         f"compacts, which must run in one step; --max-num-batched-tokens is {step}: raise "
+                         f"it to {scorer.query_window} or more, or choose another {key} ('h2o' or 'keydiff')")
 
 
 #: HF ``layer_types`` names of the layers H2O evicts from, and of those it leaves to vLLM's window.

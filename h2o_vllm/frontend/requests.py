@@ -9,7 +9,7 @@ from vllm.exceptions import VLLMValidationError
 
 from h2o_vllm.config import (REQUEST_PREFIX, config_from_additional, request_config, request_keys,
                              request_overrides)
-from h2o_vllm.frontend.conflicts import FULL_LAYERS, SLIDING_LAYERS
+from h2o_vllm.frontend.conflicts import FULL_LAYERS, SLIDING_LAYERS, check_score
 from h2o_vllm.policy import prompt_chunk, request_peak_blocks
 
 def _request_error(message: str, value) -> ValueError:
@@ -56,15 +56,23 @@ def check_request_fits(vllm_config, prompt_len: int, max_tokens: int | None, ext
     held whole, or a budget too large, would otherwise wait or be preempted forever. Checked
     once the engine has reported its pool (``cache_config.num_gpu_blocks``). A hybrid model's
     request holds blocks in every KV-cache group of the shared pool: H2O's peak in each
-    full-attention group, vLLM's window in each sliding-window one."""
+    full-attention group, vLLM's window in each sliding-window one. First, a per-request
+    ``h2o_score`` this engine's model or step size cannot run (``conflicts.check_score``)."""
     config = config_from_additional(vllm_config.additional_config)
+    if config is None:
+        return
+    request = request_config(config, extra_args)
+    if request.score != config.score:  # the engine's own was checked before it loaded
+        try:
+            check_score(vllm_config, request.score, key="h2o_score")
+        except ValueError as exc:
+            raise _request_error(f"invalid per-request H2O score: {exc}", {"h2o_score": request.score}) from None
     cache = vllm_config.cache_config
-    if config is None or not cache.num_gpu_blocks:
+    if not cache.num_gpu_blocks:
         return
     # Process 0 sums the pools of data-parallel engines; one request runs in one of them.
     pool = cache.num_gpu_blocks // max(1, vllm_config.parallel_config.data_parallel_size) - 1
     max_len = min(prompt_len + (max_tokens or 0), vllm_config.model_config.max_model_len)
-    request = request_config(config, extra_args)
     budget = request.budget(prompt_len, cache.block_size)
     h2o_blocks = request_peak_blocks(prompt_len, max_len, budget, cache.block_size,
                                      bool(cache.enable_prefix_caching))

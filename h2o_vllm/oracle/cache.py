@@ -6,13 +6,16 @@ Runs in the caller's process (tests, benchmarks); no vLLM. Semantics: docs/seman
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from h2o_vllm.config import Budget
-from h2o_vllm.score_modes import ScoreMode, Scorer
+from h2o_vllm.score_modes import QueryContext, ScoreMode, Scorer
+
+#: The model's RoPE as a rotation by position differences: deltas [m] -> (cos, sin) [m, head_dim].
+Rotate = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LayerCache:
@@ -36,6 +39,10 @@ class LayerCache:
         # scores: [num_kv_heads, capacity] fp32, H2O accumulated attention (see Score).
         self._scores = torch.zeros(num_kv_heads, capacity)
         self.kv_len = 0
+        # The last step's queries that a key scorer reads (Scorer.query_window): [num_q_heads,
+        # n, head_dim] fp32 after RoPE; and the layer's attention scale.
+        self.queries: torch.Tensor | None = None
+        self.scale = 1.0
 
     @property
     def keys(self) -> torch.Tensor:
@@ -78,20 +85,33 @@ class LayerCache:
         self._keys, self._values = grown(self._keys), grown(self._values)
         self._positions, self._scores = grown(self._positions), grown(self._scores)
 
+    def _context(self, key_scorer: Scorer, rotate: Rotate | None) -> QueryContext | None:
+        if not key_scorer.query_window:
+            return None
+        heads, _, head_dim = self._keys.shape
+        queries = self.queries[:, -key_scorer.query_window:]  # [num_q_heads, n, head_dim]
+        return QueryContext(values=self.values, queries=queries.reshape(heads, -1, queries.shape[1], head_dim),
+                            scale=self.scale, rotate=rotate)
+
     def compact(self, heavy: int, recent: int, sinks: int = 0, rank: Sequence[ScoreMode] = (),
-                key_scorer: Scorer | None = None) -> None:
+                key_scorer: Scorer | None = None, rotate: Rotate | None = None) -> None:
         """Keep, per KV head, the ``sinks`` first live tokens, the ``recent`` newest ones and the
         ``heavy`` highest-scored of the rest (ties keep the more recent token, see Eviction);
         order and scores move along. The first live slots are the first logical tokens: sinks
         are never evicted and compaction preserves order. ``rank``: score modes that rank the
         rest by ``ScoreMode.oracle_rank`` instead; kept scores are their own. ``key_scorer``: the
         candidates are ranked by ``Scorer.oracle_scores`` of every live key instead of the
-        accumulated scores (KeyDiff), before ``rank``."""
+        accumulated scores (KeyDiff, Expected Attention: the latter reads the last step's
+        ``queries``, the values and ``rotate``, the model's RoPE by a position difference),
+        before ``rank``."""
         n = self.kv_len
         if sinks + heavy + recent >= n:
             return
         num_candidates = n - recent  # slots [sinks, num_candidates) compete for the heavy part
-        ranked = self.scores if key_scorer is None else key_scorer.oracle_scores(self.keys)
+        if key_scorer is None:
+            ranked = self.scores
+        else:
+            ranked = key_scorer.oracle_scores(self.keys, self._context(key_scorer, rotate))
         candidates = ranked[:, sinks:num_candidates]  # [num_kv_heads, n - sinks - recent]
         for mode in rank:
             candidates = mode.oracle_rank(candidates)
@@ -124,6 +144,7 @@ class SequenceState:
     budget: Budget | None
     layers: list[LayerCache | None] = field(default_factory=list)
     num_tokens: int = 0
+    rotate: Rotate | None = None  # the model's RoPE, for a key scorer that moves queries ahead
 
     @property
     def evicting(self) -> list[LayerCache]:
@@ -148,7 +169,7 @@ class SequenceState:
         # A mode ranks only the first compaction, the one that compresses the prompt.
         rank = budget.scoring if self.kv_len == self.num_tokens else ()
         for layer in self.evicting:
-            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, rank, budget.key_scorer)
+            layer.compact(budget.heavy, budget.recent, budget.sink_tokens, rank, budget.key_scorer, self.rotate)
         return True
 
     def query_scale(self) -> float:

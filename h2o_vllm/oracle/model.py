@@ -22,6 +22,7 @@ from h2o_vllm.config import H2OConfig
 from h2o_vllm.oracle.attention import DEFAULT_QUERY_CHUNK, attend_and_score
 from h2o_vllm.oracle.cache import LayerCache, SequenceState
 from h2o_vllm.oracle.stored_kv import StoredKV
+from h2o_vllm.score_modes.expected import FUTURE_POSITIONS
 
 #: The registry name the oracle's attention is installed under while a step runs.
 ATTN_IMPLEMENTATION = "h2o_oracle"
@@ -63,6 +64,9 @@ def _oracle_attention(module, query, key, value, attention_mask, scaling=None, d
                                              window=sliding_window)
         cache = state.layers[index]
         cache.append(*row.stored_kv.round(key[b].float(), value[b].float()), row.positions)
+        window = state.budget.key_scorer.query_window if state.budget and state.budget.key_scorer else 0
+        if window:  # what a key scorer reads at this step's compaction
+            cache.queries, cache.scale = query[b, :, -window:].float(), scale
         out[b] = attend_and_score(query[b].float(), cache, scale, row.query_chunk, query_scale=row.query_scale,
                                   weights=row.weights, softcap=softcap,
                                   sinks=None if s_aux is None else s_aux.float())
@@ -100,7 +104,9 @@ class H2OOracle:
       (``attend_and_score``; ``a``: ``SequenceState.query_scale``, ``w_i``: ``query_weight``),
       and the first compaction ranks by ``ScoreMode.oracle_rank``; with ``a = 1`` and every
       weight 1 (the paper's H2O) the arithmetic is the plain sum, unchanged. With
-      ``score: keydiff`` every compaction ranks by ``KeyDiff.oracle_scores`` of the live keys.
+      ``score: keydiff`` every compaction ranks by ``KeyDiff.oracle_scores`` of the live keys;
+      with ``score: expected`` by ``ExpectedAttention.oracle_scores`` of the live K/V and the
+      last step's queries, moved ahead with the model's ``rotary_emb``.
 
     - ``prefill_chunk``: the prompt is written one chunk per step (``prefill``), the cadence
       checked after each, so a chunk's queries attend over what earlier chunks kept.
@@ -128,6 +134,7 @@ class H2OOracle:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_states: list[SequenceState] = []
+        self._rotations: tuple[torch.Tensor, torch.Tensor] | None = None  # _rotate's table
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -156,7 +163,23 @@ class H2OOracle:
         """An empty sequence whose budget is taken from ``prompt_len``."""
         layers: list[LayerCache | None] = [None] * self.num_layers  # made by the first step
         budget = None if self.config is None else self.config.budget(prompt_len, self.block_size)
-        return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers)
+        return SequenceState(prompt_len=prompt_len, budget=budget, layers=layers, rotate=self._rotate)
+
+    def _rotate(self, deltas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own RoPE (its ``rotary_emb``, the full-attention layers' in a hybrid
+        model) at positions ``deltas``: (cos, sin) [m, head_dim] fp32, the rotation by each
+        position difference. Written apart from the engine's ``score_modes.rotary``; a table
+        of positions 0.. is made once and grown as asked (every compaction asks the same)."""
+        if self._rotations is None or int(deltas.max()) >= self._rotations[0].shape[0]:
+            rotary = next(m for name, m in self.model.named_modules() if name.endswith("rotary_emb"))
+            args = ("full_attention",) if getattr(rotary, "layer_types", None) else ()
+            positions = torch.arange(max(int(deltas.max()) + 1, 2 * FUTURE_POSITIONS))
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None], *args)
+            if not torch.allclose(cos * cos + sin * sin, torch.ones(()), atol=1e-5):
+                raise ValueError("the oracle's Expected Attention needs a RoPE that only rotates; "
+                                 "this model's scales its cos and sin (an attention factor)")
+            self._rotations = (cos[0].float(), sin[0].float())
+        return self._rotations[0][deltas], self._rotations[1][deltas]
 
     @torch.no_grad()
     def prefill(self, state: SequenceState, prompt: list[int]) -> torch.Tensor:

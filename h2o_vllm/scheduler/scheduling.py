@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from h2o_vllm import metrics
-from h2o_vllm.policy import draft_step_limit, prefill_step_limit, step_compacts
+from h2o_vllm.policy import (draft_step_limit, prefill_step_limit, replay_step_limit, step_compacts,
+                             window_step_limit)
 
 if TYPE_CHECKING:  # manager imports vllm_hooks, whose engine-core hooks import this module
     from h2o_vllm.scheduler.manager import H2OManager
@@ -41,8 +42,11 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
     prefill chunk (``prefill_chunk``), whatever else is in the batch, so the cadence checks the
     same token counts in every batch and after a preemption; and a speculative step's drafts
     cut where they would reach the request's next compaction (``policy.draft_step_limit``:
-    docs/semantics.md, "Speculative decoding"). The tokens already known are never cut, with
-    one exception: under async scheduling, a step that would compact while an earlier step's
+    docs/semantics.md, "Speculative decoding"); and a step that would stop inside the last
+    queries of a chunk that a key scorer reads (``policy.window_step_limit``), whose recompute
+    after a preemption also stops where the uninterrupted steps stopped
+    (``policy.replay_step_limit``). Otherwise the tokens already known are never cut, with one
+    exception: under async scheduling, a step that would compact while an earlier step's
     drafts are still unverified is not scheduled yet (0), because ``num_computed_tokens``
     counts those drafts as accepted, and after a rejection the compaction is not there."""
     known = request.num_tokens + request.num_output_placeholders - num_computed_tokens
@@ -59,6 +63,12 @@ def limit_step(managers: Sequence[H2OManager], request, num_computed_tokens: int
             limit = prompt_len - num_computed_tokens
         if limit is not None:
             num_new_tokens = min(num_new_tokens, limit)
+        if budget.key_scorer is not None and budget.key_scorer.query_window:
+            # A compaction that reads its step's queries is exact only if a recompute's steps
+            # stop where the uninterrupted ones did (docs/semantics.md, "Expected Attention").
+            num_new_tokens = min(num_new_tokens, replay_step_limit(num_computed_tokens, prompt_len, budget))
+            num_new_tokens = window_step_limit(num_computed_tokens, num_new_tokens, prompt_len,
+                                               budget.prefill_chunk, budget.key_scorer.query_window)
         if num_new_tokens > known:
             limit = draft_step_limit(num_computed_tokens, prompt_len, budget)
             num_new_tokens = min(num_new_tokens, max(known, limit))

@@ -6,8 +6,9 @@ through ``modes()`` at each call, so a mode added to it reaches config parsing, 
 step plan, the records and the oracle without another module naming it. The ``score`` key's
 choices have a registry of their own, ``score.SCORERS``.
 """
-from h2o_vllm.score_modes.base import ScoreMode, Scorer, StepQueries
+from h2o_vllm.score_modes.base import QueryContext, ScoreMode, Scorer, StepQueries
 from h2o_vllm.score_modes.decay import Decay
+from h2o_vllm.score_modes.expected import ExpectedAttention
 from h2o_vllm.score_modes.keydiff import KeyDiff
 from h2o_vllm.score_modes.obs_window import ObsWindow
 from h2o_vllm.score_modes.pooling import Pooling
@@ -24,5 +25,5 @@ def by_key() -> dict[str, type[ScoreMode]]:
     return {mode.key(): mode for mode in MODES}
 
 
-__all__ = ["MODES", "SCORERS", "AccumulatedAttention", "Decay", "KeyDiff", "ObsWindow", "Pooling", "Score",
-           "ScoreMode", "Scorer", "StepQueries", "by_key", "modes"]
+__all__ = ["MODES", "SCORERS", "AccumulatedAttention", "Decay", "ExpectedAttention", "KeyDiff", "ObsWindow",
+           "Pooling", "QueryContext", "Score", "ScoreMode", "Scorer", "StepQueries", "by_key", "modes"]

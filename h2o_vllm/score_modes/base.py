@@ -15,7 +15,7 @@ changes, each as a hook that the generic code calls for every registered mode
   fused update ``s <- score_scale[row] * s + sum_i query_weight[i] * p_i`` (the kernels take
   only those); ``rank``, how the first compaction ranks the heavy candidates;
   ``key_scorer``, what replaces the accumulated scores at every compaction with a score read
-  from the live keys (``Scorer``: KeyDiff), None for the accumulated attention;
+  from the live cache (``Scorer``: KeyDiff, Expected Attention), None for the accumulated attention;
 - prefix-cache records: ``record_key`` (what a prefix's scores depend on) and
   ``unrecorded_hit`` (records off, and how far a hit may reach without one);
 - the dense oracle: ``oracle_query_scale``, ``oracle_query_weight`` and ``oracle_rank``, the
@@ -23,15 +23,15 @@ changes, each as a hook that the generic code calls for every registered mode
   the tests holding the engine to the oracle compare two statements (docs/semantics.md, "The
   oracle").
 
-A score read from the keys rather than from attention (KeyDiff; later Expected Attention) is a
-``Scorer``, one small class each, chosen by the ``score`` key (``score_modes.score``).
+A score read from the keys rather than from the accumulated attention (KeyDiff, Expected
+Attention) is a ``Scorer``, one small class each, chosen by the ``score`` key (``score_modes.score``).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable
+from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
@@ -134,6 +134,20 @@ class ScoreMode:
 
 
 @dataclass(frozen=True)
+class QueryContext:
+    """What a scorer that reads queries (``Scorer.query_window``) gets beside the keys of a row
+    at its compaction; leading dimensions as the keys' (``[R, Hkv]`` on the worker, ``[Hkv]`` in
+    the oracle)."""
+    values: torch.Tensor   # [..., kv_len, head_size] fp32, the live values in slot order
+    queries: torch.Tensor  # [..., group, n, head_size] fp32 after RoPE: the row's last n <=
+    #                        query_window queries of the compacting step, in logical order
+    scale: float           # the model's attention scale (logits = scale * q . k)
+    # The model's rotation by a position difference: deltas [m] int64 -> (cos, sin) [m, head_size]
+    # fp32 in the rotate-half layout (``score_modes.rotary.Rotary.cos_sin`` on the worker).
+    rotate: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class Scorer:
     """A score of the live tokens read from their keys (``views.keys`` on the worker, the
     oracle's ``LayerCache.keys``), computed at a row's compaction to rank its heavy candidates;
@@ -144,17 +158,32 @@ class Scorer:
     #: The keys of the score modes that only shape the accumulated attention: meaningless
     #: when this scorer ranks, so refused at any other value than their neutral one.
     shapes_attention_only: ClassVar[tuple[str, ...]] = ()
+    #: How many of the row's last queries of the compacting step ``scores`` reads, in a
+    #: ``QueryContext`` with the values and the RoPE; 0: it reads the keys alone.
+    query_window: ClassVar[int] = 0
 
-    def scores(self, keys: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, context: QueryContext | None = None,
+               live: torch.Tensor | None = None) -> torch.Tensor:
         """keys: [..., kv_len, head_size] fp32, a row's live keys per (layer, KV head) in slot
         order. Returns [..., kv_len] fp32: higher is kept first (``policy.select_keep``).
         live: [..., kv_len] bool (broadcast), the slots that are the row's (the worker's padded
         rows, ``worker.due_pass``); the others must not change the live slots' scores."""
         raise NotImplementedError
 
-    def oracle_scores(self, keys: torch.Tensor) -> torch.Tensor:
+    def oracle_scores(self, keys: torch.Tensor, context: QueryContext | None = None) -> torch.Tensor:
         """``scores`` as the oracle states it (keys: [num_kv_heads, kv_len, head_size] fp32)."""
         raise NotImplementedError
+
+    def hit_reach(self, first_chunk_end: int) -> int:
+        """How far a prefix-cache hit may reach for a request ranked by this scorer (records
+        are off: the accumulated scores rank nothing): the hit's queries never run, so a
+        scorer that reads the first compaction's queries stops the hit before them."""
+        return HIT_ANYWHERE
+
+
+#: ``Scorer.hit_reach``'s "no limit": more tokens than any prompt (a hit stops before the first
+#: compaction in any case, ``scheduler.prefix_hits``).
+HIT_ANYWHERE = 2**62
 
 
 def integer_at_least(key: str, value: Any, low: int) -> None:

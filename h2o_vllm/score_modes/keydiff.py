@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from h2o_vllm.score_modes.base import Scorer
+from h2o_vllm.score_modes.base import QueryContext, Scorer
 
 #: The least norm a key or the anchor is divided by: a zero key has no direction and scores 0
 #: (so does every key of a zero anchor); keys of real models are many orders above it.
@@ -25,7 +25,8 @@ class KeyDiff(Scorer):
     # Decay and the observation window weigh queries' attention, which KeyDiff never reads.
     shapes_attention_only: ClassVar[tuple[str, ...]] = ("decay", "obs_window")
 
-    def scores(self, keys: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, keys: torch.Tensor, context: QueryContext | None = None,
+               live: torch.Tensor | None = None) -> torch.Tensor:
         unit = keys / torch.linalg.vector_norm(keys, dim=-1, keepdim=True).clamp_min(EPS)
         if live is None:
             anchor = unit.mean(dim=-2, keepdim=True)                   # [..., 1, head_size]
@@ -35,7 +36,7 @@ class KeyDiff(Scorer):
         anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(EPS)
         return -(unit * anchor).sum(dim=-1)
 
-    def oracle_scores(self, keys: torch.Tensor) -> torch.Tensor:
+    def oracle_scores(self, keys: torch.Tensor, context: QueryContext | None = None) -> torch.Tensor:
         heads, kv_len, _ = keys.shape
         units = []
         for t in range(kv_len):  # token by token: the rule as written, not the batched one

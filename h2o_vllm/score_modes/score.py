@@ -1,6 +1,6 @@
 """``score``: what ranks the heavy candidates at a compaction, chosen by name (docs/semantics.md,
 "Score modes"): ``h2o``, the paper's accumulated attention (the default), or a ``Scorer`` read
-from the live keys. ``SCORERS`` is the registry of the choices, one small class each.
+from the live cache (``keydiff``, ``expected``). ``SCORERS`` is the registry of the choices, one small class each.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from h2o_vllm.score_modes.base import ScoreMode, Scorer
+from h2o_vllm.score_modes.expected import ExpectedAttention
 from h2o_vllm.score_modes.keydiff import KeyDiff
 
 
@@ -18,7 +19,7 @@ class AccumulatedAttention(Scorer):
 
 
 #: The choices of ``score``, in the order the flag and the messages list them; the first is the default.
-SCORERS: tuple[type[Scorer], ...] = (AccumulatedAttention, KeyDiff)
+SCORERS: tuple[type[Scorer], ...] = (AccumulatedAttention, KeyDiff, ExpectedAttention)
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,10 @@ class Score(ScoreMode):
 
     help: ClassVar[str] = ("What ranks the heavy hitters at a compaction: 'h2o' (default), the paper's "
                            "accumulated attention; 'keydiff', each key's distance from the mean of the "
-                           "live keys (KeyDiff; query-agnostic, no decay or obs-window).")
+                           "live keys (KeyDiff; query-agnostic); 'expected', the attention the next "
+                           "queries are expected to give each token, from the last queries moved "
+                           "ahead with RoPE, times its value's norm (Expected Attention). Neither "
+                           "takes decay or obs-window.")
     number: ClassVar[type] = str
     neutral: ClassVar[str] = AccumulatedAttention.name
 
@@ -60,11 +64,7 @@ class Score(ScoreMode):
         return None if isinstance(self.scorer, AccumulatedAttention) else self.scorer
 
     def unrecorded_hit(self, first_chunk_end: int) -> int | None:
-        # A key score is recomputed from the live keys at each compaction, and a hit copies the
-        # keys: the accumulated scores a record would restore rank nothing, so any hit is exact.
-        return None if self.key_scorer() is None else HIT_ANYWHERE
-
-
-#: ``unrecorded_hit``'s "no limit": more tokens than any prompt (a hit stops before the first
-#: compaction in any case, ``scheduler.prefix_hits``).
-HIT_ANYWHERE = 2**62
+        # A key score is recomputed from the live cache at each compaction, and a hit copies the
+        # keys: the accumulated scores a record would restore rank nothing.
+        scorer = self.key_scorer()
+        return None if scorer is None else scorer.hit_reach(first_chunk_end)

@@ -17,6 +17,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 
 from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
+from h2o_vllm.score_modes.rotary import rotary_or_none
 from h2o_vllm.spec import is_h2o_spec
 from h2o_vllm.worker.building import plan_for
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
@@ -97,7 +98,11 @@ class H2OImplMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # A sliding-window layer (hybrid models) is vLLM's: its window already bounds its cache.
-        self.h2o = None if self.has_sliding_window() else h2o_config(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        self.h2o = None if self.has_sliding_window() else h2o_config(vllm_config)
+        # The model's RoPE, for a request whose score moves queries ahead (score 'expected');
+        # None where the model's cannot be (such a request is refused before it is queued).
+        self.rotary = None if self.h2o is None else rotary_or_none(vllm_config.model_config)
         # scores: [num_blocks, num_kv_heads, block_size] fp32, KV-space; allocated on first use
         # because the cache size is only known once vLLM has profiled memory.
         self.scores: torch.Tensor | None = None
@@ -142,7 +147,7 @@ class H2OImplMixin:
                             output_scale, output_block_scale)
         update_scores_and_compact(step, self.ops, query, views, scores, self.scale, self.records,
                                   accumulated=self.fuses_scores, softcap=self.logits_soft_cap,
-                                  sink_logits=self.sinks)
+                                  sink_logits=self.sinks, rotary=self.rotary)
         return output
 
     def has_sliding_window(self) -> bool:

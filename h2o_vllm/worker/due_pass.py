@@ -16,7 +16,6 @@ modes (pooling) run over every row of a pass and count where the row ranks with 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -106,13 +105,6 @@ def live_scores(due: DuePass, scores: torch.Tensor) -> torch.Tensor:
     """[R, Hkv, width] fp32: the rows' scores by KV position, 0 on the padding."""
     gathered = scores[due.blocks, :, due.offsets[None, :]].transpose(1, 2)
     return gathered.masked_fill(~due.live[:, None, :], 0.0)
-
-
-def key_scores(due: DuePass, read_keys, views: Any) -> torch.Tensor:
-    """[R, Hkv, width] fp32: the pass's key score of each live slot (docs/semantics.md,
-    "KeyDiff"), from the keys the attention read (``read_keys``: ``DeviceOps.read_keys``)."""
-    keys = read_keys(views.keys[due.blocks, due.offsets[None, :]])  # [R, width, Hkv, head_size]
-    return due.key_scorer.scores(keys.transpose(1, 2), live=due.live[:, None, :])
 
 
 def keep_sets(due: DuePass, ranked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,11 @@ class StoredKVReads:
         keys = keys.to(torch.float32)
         return keys if self.fp8_dtype is None else keys * self.k_scale
 
+    def read_values(self, values: torch.Tensor) -> torch.Tensor:
+        """fp32 values gathered from the cache, as ``read_keys`` reads keys (``v_scale``)."""
+        values = values.to(torch.float32)
+        return values if self.fp8_dtype is None else values * self.v_scale
+
     def read_scales(self, layer) -> None:
         """The layer's fp8 scales, at each forward (``layer``: vLLM's attention layer)."""
         if self.fp8_dtype is not None:

@@ -5,8 +5,8 @@ Runs in the worker process. ``kv_space_metadata`` runs once per step in a metada
 ``update_scores_and_compact`` once per attention layer, after the layer has written K/V at the
 KV-space slots and attended: zero the scores of the slots just written, add this step's
 probabilities, select each due row's keep-set per head (ranked by its scores, or by a score of
-its live keys) and compact, all due rows in one padded pass (``worker.due_pass``), and add the
-attention mass into the step's one buffer.
+its live cache: ``worker.key_scores``) and compact, all due rows in one padded pass
+(``worker.due_pass``), and add the attention mass into the step's one buffer.
 A device supplies ``DeviceOps``: how to view its cache, accumulate and compact. Imports no
 vLLM, so the whole sequence runs on CPU tensors in unit tests.
 Cache views: keys / values [num_blocks, block_size, num_kv_heads, head_size] (strided views
@@ -21,8 +21,10 @@ from typing import Any, Protocol
 import torch
 
 from h2o_vllm import metrics
+from h2o_vllm.score_modes.rotary import Rotary
 from h2o_vllm.worker import due_pass, prefix_records
 from h2o_vllm.worker.due_pass import DuePass, due_passes
+from h2o_vllm.worker.key_scores import key_scores
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
 
@@ -76,6 +78,9 @@ class DeviceOps(Protocol):
     def read_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys gathered from ``cache_views(...).keys`` in fp32, as the attention reads them
         (``worker.kv_dtype``: an fp8 cache's dequantised)."""
+
+    def read_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Values gathered from ``cache_views(...).values`` in fp32, as ``read_keys``."""
 
     def cache_views(self, kv_cache: torch.Tensor) -> Any:
         """An object with ``keys`` and ``values``: [num_blocks, block_size, num_kv_heads, head_size]."""
@@ -208,7 +213,8 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
                               scores: torch.Tensor, scale: float,
                               records: torch.Tensor | None = None, *,
                               accumulated: bool = False, softcap: float = 0.0,
-                              sink_logits: torch.Tensor | None = None) -> torch.Tensor | None:
+                              sink_logits: torch.Tensor | None = None,
+                              rotary: Rotary | None = None) -> torch.Tensor | None:
     """After attention: scores of new slots start at 0 (a slot's score starts when its K/V is
     written; slots are reused across requests), add this step's probabilities (scaled and
     weighted by the score modes on a weighted step: ``H2OStep.score_scale``), compact due rows.
@@ -234,7 +240,7 @@ def update_scores_and_compact(step: H2OStep, ops: DeviceOps, query: torch.Tensor
         prefix_records.relocate(prefix, views, scores)
     for due in step.due:
         live = due_pass.live_scores(due, scores)  # [R, Hkv, width]
-        ranked = live if due.key_scorer is None else due_pass.key_scores(due, ops.read_keys, views)
+        ranked = live if due.key_scorer is None else key_scores(due, ops, views, step, query, scale, rotary)
         keep, keep_idx = due_pass.keep_sets(due, ranked)
         step.mass.add_(due_pass.masses(due, live, keep))
         ops.compact(views, scores, step.compact_table, due.rows, keep_idx, due.targets)

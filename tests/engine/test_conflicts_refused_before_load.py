@@ -43,7 +43,7 @@ def test_conflicting_settings_refused_before_loading(tiny_llama_dir, kwargs, wor
 
 
 @pytest.mark.parametrize("h2o, words", [
-    ({"score": "keydif"}, "h2o.score must be one of 'h2o', 'keydiff', got 'keydif'"),
+    ({"score": "keydif"}, "h2o.score must be one of 'h2o', 'keydiff', 'expected', got 'keydif'"),
     ({"score": "keydiff", "obs_window": 32}, "h2o.score 'keydiff' cannot be combined with h2o.obs_window"),
 ])
 def test_a_bad_score_is_refused_before_loading(tiny_llama_dir, h2o, words):

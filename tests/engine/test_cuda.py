@@ -44,15 +44,21 @@ else:
     # Absolute and ratio, Local, interval 1 and one block.
     # Plus every score mode at once: the weighted Triton score kernels and sink selection;
     # and pooling, which ranks the prompt's compaction on the device; and KeyDiff, which ranks
-    # from the keys the device gathers from its cache.
+    # from the keys the device gathers from its cache; and Expected Attention, which also reads
+    # the values and the step's queries.
     BUDGET_NAMES = ["tokens-8+8-interval1", "ratio-0.1+0.1-block", "local-0+0.2-interval1",
                     "all-modes-tokens-6+6-interval1", "pool-5-window-8-tokens-8+8-interval1",
-                    "keydiff-pool-5-sinks-2-tokens-8+8-interval1"]
+                    "expected-pool-5-sinks-2-tokens-8+8-interval1", "keydiff-pool-5-sinks-2-tokens-8+8-interval1"]
     # The engine core in process, so the blocks and the mixed prefill + decode steps are
     # checked after every step: with the scheduler a step ahead of the worker (async) and
-    # without, on both model runners. A pool of 12 blocks (192 tokens) makes the matrix preempt.
+    # without, on both model runners. A pool of 11 blocks (176 tokens) makes the matrix preempt:
+    # seen on each of the four chunked engines below, Expected Attention's 17-token request after its
+    # first compaction, whose recompute must replay its steps (docs/semantics.md, "Expected
+    # Attention"; without that it left the oracle at its fourth token, on V1 as on V2), and the
+    # engine default's 40-token one before its first. (At 12 blocks, with Expected Attention
+    # last, V1 sync preempted nothing.)
     CHUNKED = dict(in_process=True, max_num_batched_tokens=32, max_num_seqs=16, max_model_len=128,
-                   num_gpu_blocks_override=12)
+                   num_gpu_blocks_override=11)
     ENGINES = {"v1-chunked-async": dict(CHUNKED, async_scheduling=True),
                "v1-chunked-sync": dict(CHUNKED, async_scheduling=False),
                "v2-chunked-async": dict(CHUNKED, async_scheduling=True, env={V2_ENV: "1"}),
@@ -349,17 +355,18 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
 # (the tiny Llama drafting for itself: its layers' blocks travel whole beside H2O's state), and
 # V2 with async scheduling and an fp8 cache (the state's K/V travel as the fp8 bytes the cache
 # holds); then the V2 one over NIXL (test_kv_transfer_nixl.py has its faults), the producer up
-# beside. The drafter's whole blocks share the pool, so that case gets 24 blocks (vLLM refuses
-# to start on the matrix's 12). Until admission claimed the drafter group's growth
+# beside. They keep the 12 blocks they ran with before the matrix's pool shrank to 11 (their
+# consumer must not preempt). The drafter's whole blocks share the pool, so that case gets 24
+# blocks (vLLM refuses to start on 12). Until admission claimed the drafter group's growth
 # (``H2OManager.whole_group_headroom``) the decoder preempted a loaded request there, whose
 # recompute may leave the oracle (docs/semantics.md, "Preemption"); ``_decode_loaded`` asserts
 # that none is.
 TRANSFER_CASES = {"v1-chunked-sync-drafter": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"},
                                                   num_gpu_blocks_override=24, drafter=True),
                   "v2-chunked-async-fp8": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
-                                               env={V2_ENV: "1"}),
+                                               env={V2_ENV: "1"}, num_gpu_blocks_override=12),
                   "v2-chunked-async-fp8-nixl": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
-                                                    env={V2_ENV: "1"}, nixl=True)}
+                                                    env={V2_ENV: "1"}, nixl=True, num_gpu_blocks_override=12)}
 TRANSFER_BUDGETS = ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1", "ratio-0.1+0.1-block"]
 
 

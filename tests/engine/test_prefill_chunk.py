@@ -35,7 +35,10 @@ CASES = [("tokens-8+8-interval1", 8), ("tokens-8+8-interval1", 24), ("tokens-8+8
          ("all-modes-tokens-6+6-interval1", 8), ("all-modes-tokens-6+6-interval1", 24),
          ("pool-5-window-8-tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-interval1", 64),
          # KeyDiff ranks the live keys at each chunk's compaction: one chunk size is enough.
-         ("keydiff-pool-5-sinks-2-tokens-8+8-interval1", 24)]
+         ("keydiff-pool-5-sinks-2-tokens-8+8-interval1", 24),
+         # Expected Attention reads the last 32 queries of each compacting chunk: chunks of 64
+         # that vLLM's 40-token steps would split inside that window.
+         ("expected-pool-5-sinks-2-tokens-8+8-interval1", 64)]
 
 
 def _budget(name: str, chunk: int) -> dict:

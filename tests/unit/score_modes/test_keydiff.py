@@ -56,7 +56,7 @@ def test_the_score_ignores_each_keys_length():
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n, sinks, heavy, recent, pool", [(40, 0, 6, 6, 1), (23, 2, 5, 4, 5), (9, 1, 3, 3, 1)])
 def test_the_workers_scores_and_keep_sets_are_the_oracles(seed, n, sinks, heavy, recent, pool):
-    """Batched (the worker's, ``due_pass.key_scores``: rows padded past their live keys) and
+    """Batched (the worker's, ``worker.key_scores``: rows padded past their live keys) and
     token by token (the oracle's): scores within 1e-6 (fp32, two summation orders), and the
     same kept tokens per head."""
     gen = torch.Generator().manual_seed(seed)

@@ -17,11 +17,11 @@ from h2o_vllm.worker.plan import make_step_plan
 
 from flag_parsing import parse, refused
 
-CHOICES = "'h2o', 'keydiff'"
+CHOICES = "'h2o', 'keydiff', 'expected'"
 
 
 def test_the_choices_are_the_scorer_registry_default_first():
-    assert Score.choices() == tuple(s.name for s in SCORERS) == ("h2o", "keydiff")
+    assert Score.choices() == tuple(s.name for s in SCORERS) == ("h2o", "keydiff", "expected")
     assert Score.neutral == "h2o" and Score.number is str
 
 
@@ -56,7 +56,7 @@ def test_keydiff_composes_with_neutral_weights_pooling_and_sinks():
 
 def test_the_flag_takes_a_name_and_names_the_choices():
     assert parse(["--h2o-score", "keydiff"]) == {"h2o": {"score": "keydiff"}}
-    with pytest.raises(argparse.ArgumentError, match=r"--h2o-score: invalid choice: 'kd' \(choose from 'h2o', 'keydiff'\)"):
+    with pytest.raises(argparse.ArgumentError, match=r"--h2o-score: invalid choice: 'kd' \(choose from 'h2o', 'keydiff', 'expected'\)"):
         parse(["--h2o-score", "kd"])
     with pytest.raises(ValueError, match="--h2o-decay, --h2o-score: h2o.score 'keydiff' cannot be combined"):
         parse(["--h2o-score", "keydiff", "--h2o-decay", "0.9"])
@@ -97,19 +97,19 @@ class KeyNorm(Scorer):
     """Test-only: kvpress's KnormPress, the smallest keys kept."""
     name: ClassVar[str] = "knorm"
 
-    def scores(self, keys):
+    def scores(self, keys, context=None):
         return -keys.norm(dim=-1)
 
-    def oracle_scores(self, keys):
+    def oracle_scores(self, keys, context=None):
         return torch.stack([-keys[:, t].norm(dim=-1) for t in range(keys.shape[1])], dim=-1)
 
 
 def test_a_scorer_added_to_the_registry_reaches_config_flag_request_plan_and_oracle(monkeypatch):
-    """Adding a score (Expected Attention next) is one class in ``score.SCORERS``."""
+    """Adding a score is one class in ``score.SCORERS``."""
     monkeypatch.setattr(score, "SCORERS", (*score.SCORERS, KeyNorm))
     assert parse(["--h2o-score", "knorm"]) == {"h2o": {"score": "knorm"}}
     check_request_overrides({"h2o": {}}, {"h2o_score": "knorm"})
-    refused({"score": "kd"}, "h2o.score must be one of 'h2o', 'keydiff', 'knorm', got 'kd'")
+    refused({"score": "kd"}, "h2o.score must be one of 'h2o', 'keydiff', 'expected', 'knorm', got 'kd'")
     budget = H2OConfig(score="knorm", heavy_tokens=2, recent_tokens=1, interval=1).budget(6, 16)
     plan = make_step_plan(torch.tensor([0]), torch.tensor([6]), torch.tensor([6]), [budget])
     assert plan.key_scorers == (KeyNorm(),) and plan.query_weights is None

@@ -21,7 +21,8 @@ from h2o_vllm.worker.cpu.ops import CPUOps  # noqa: E402
 from h2o_vllm.worker.cuda.ops import TritonCacheViews, TritonOps  # noqa: E402
 from h2o_vllm.oracle.cache import LayerCache  # noqa: E402
 from h2o_vllm.worker.plan import kv_slot_mapping  # noqa: E402
-from h2o_vllm.score_modes import Decay, KeyDiff, ObsWindow, Pooling, Score
+from h2o_vllm.score_modes import Decay, ExpectedAttention, KeyDiff, ObsWindow, Pooling, Score
+from h2o_vllm.score_modes.rotary import Rotary
 
 if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no GPU", allow_module_level=True)
@@ -177,44 +178,50 @@ def test_compaction_keeps_recent_plus_top_heavy_per_head():
     assert mass.tolist() == [30.0, 30.0]  # everything with a score was kept
 
 
+@pytest.mark.parametrize("scorer", [KeyDiff(), ExpectedAttention()], ids=["keydiff", "expected"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-def test_keydiff_compaction_keeps_what_the_oracle_keeps(fp8):
-    """Two due rows (a prompt's first compaction, pooled; a decode step's, not), keys in the
+def test_key_scorer_compaction_keeps_what_the_oracle_keeps(fp8, scorer):
+    """Two due rows (a prompt's first compaction, pooled; a decode step's, not), K/V in the
     cache, scores irrelevant: each head keeps what the oracle's ``LayerCache.compact`` keeps
-    from the same keys (an fp8 cache's read as fp8 * k_scale, as the oracle's stored_kv gives
-    them back)."""
-    budget = Budget(3, 3, 4, sink_tokens=1, scoring=(Pooling(3), Score("keydiff")))
-    plan = batch_plan([0, 14], [20, 1], [20, 9], budgets=[budget, budget])
+    from the same K/V (an fp8 cache's read as fp8 * scale, as the oracle's stored_kv gives
+    them back) and, for Expected Attention, each row's last queries of the step (GQA, 2 query
+    heads per KV head)."""
+    budget = Budget(3, 3, 4, sink_tokens=1, scoring=(Pooling(3), Score(scorer.name)))
+    plan = batch_plan([0, 14], [40, 1], [40, 9], budgets=[budget, budget])
     assert plan.due.tolist() == [True, True] and plan.rank == ((Pooling(3),), ())
-    assert plan.key_scorers == (KeyDiff(), KeyDiff())
-    table = block_table(2, 2, device="cpu")
-    num_kv_heads, head_size, k_scale = 2, 32, 0.5
+    assert plan.key_scorers == (scorer, scorer)
+    table = block_table(2, 3, device="cpu")
+    num_kv_heads, head_size, kv_scale, scale = 2, 32, 0.5, 32 ** -0.5
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(int(table.max()) + 1, BLOCK, num_kv_heads, head_size, generator=gen)
+    values = torch.randn(keys.shape, generator=gen) * torch.rand(*keys.shape[:3], 1, generator=gen)
+    query = torch.randn(41, 2 * num_kv_heads, head_size, generator=gen)
+    rotary = Rotary(1.0 / 100.0 ** (torch.arange(0, head_size, 2).float() / head_size))
     ops = TritonOps(head_size, torch.float8_e4m3fn if fp8 else None)
+    stored_keys, stored_values = keys.clone(), values.clone()  # what attention (and the oracle) reads
     if fp8:
-        ops.k_scale = k_scale
-        keys = (keys / k_scale).to(torch.float8_e4m3fn)
-    values = torch.zeros_like(keys)
-    stored = keys.float() * k_scale if fp8 else keys.clone()  # what attention (and the oracle) reads
+        ops.k_scale = ops.v_scale = kv_scale
+        keys, values = (keys / kv_scale).to(torch.float8_e4m3fn), (values / kv_scale).to(torch.float8_e4m3fn)
+        stored_keys, stored_values = keys.float() * kv_scale, values.float() * kv_scale
 
     class NoScoring(TritonOps):
         def accumulate(self, *args):  # the scores rank nothing here
             pass
     ops.__class__ = NoScoring
-    step = worker_step.make_step(plan, table, kv_slot_mapping(plan, table, 21, BLOCK), BLOCK)
+    step = worker_step.make_step(plan, table, kv_slot_mapping(plan, table, 41, BLOCK), BLOCK)
     scores = torch.rand(keys.shape[0], num_kv_heads, BLOCK, generator=gen)
-    worker_step.update_scores_and_compact(step, ops, torch.zeros(21, 2, head_size),
-                                          TritonCacheViews(keys, values), scores, 1.0)
-    for row, first in ((0, True), (1, False)):
+    worker_step.update_scores_and_compact(step, ops, query, TritonCacheViews(keys, values), scores, scale,
+                                          rotary=rotary)
+    for row, first, queries in ((0, True, query[8:40]), (1, False, query[40:41])):
         kv_len, target = int(plan.kv_seq_lens[row]), int(plan.kv_lens_after[row])
         pos = torch.arange(kv_len)
         blocks, offsets = table[row].long()[pos // BLOCK], pos % BLOCK
         cache = LayerCache(num_kv_heads, head_size)
-        cache.append(stored[blocks, offsets].transpose(0, 1), torch.zeros(num_kv_heads, kv_len, head_size), pos)
-        cache.compact(3, target - 4, 1, budget.scoring if first else (), KeyDiff())
+        cache.append(stored_keys[blocks, offsets].transpose(0, 1), stored_values[blocks, offsets].transpose(0, 1), pos)
+        cache.queries, cache.scale = queries.transpose(0, 1), scale
+        cache.compact(3, target - 4, 1, budget.scoring if first else (), scorer, rotary.cos_sin)
         kept = keys[blocks[:target], offsets[:target]].float().transpose(0, 1)
-        assert torch.equal(kept * (k_scale if fp8 else 1.0), cache.keys), row
+        assert torch.equal(kept * (kv_scale if fp8 else 1.0), cache.keys), row
 
 
 def dense_step(old, keys, query, start, budget, prompt_len, group, scale):
