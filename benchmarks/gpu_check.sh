@@ -15,6 +15,9 @@
 #   ONLY=step_timing,throughput_stock,throughput_h2o  ~330 s
 # and, with a third call or a later lease, the fp8 KV cache at equal bytes:
 #   ONLY=throughput_stock_fp8,throughput_h2o_fp8      ~260 s (estimate: two engines as above)
+# and the score modes' cost at the same workload and pool (issue 59; compare with throughput_h2o
+# of the same lease, or rerun throughput_stock beside them):
+#   ONLY=throughput_stock,throughput_h2o_keydiff,throughput_h2o_expected   ~390 s (estimate)
 #
 # vLLM: the environment's, if `import vllm` works; otherwise the offline bundle (make gpu-bundle,
 # packaging/gpu_bundle/README.md), installed with pip --no-index --no-deps into a temporary
@@ -54,7 +57,8 @@ BUDGET_S=${BUDGET_S:-540}
 declare -A STEP_CAPS=([bundle_verify]=30 [bundle_install]=60 [imports]=90 [triton_compile]=180 [models]=45
                       [kernels]=90 [step_timing]=40 [engine]=240 [load]=55
                       [throughput_stock]=120 [throughput_h2o]=120
-                      [throughput_stock_fp8]=120 [throughput_h2o_fp8]=120)
+                      [throughput_stock_fp8]=120 [throughput_h2o_fp8]=120
+                      [throughput_h2o_keydiff]=120 [throughput_h2o_expected]=120)
 
 step() {  # step NAME COMMAND...: run under its cap, log to $OUT/NAME.log, record exit and seconds
   local name=$1; shift
@@ -157,6 +161,12 @@ gpu_step throughput_h2o_fp8 "${BENCH[@]}" --kv-eviction h2o --h2o-heavy-ratio 0.
   --h2o-recent-ratio 0.1 --kv-cache-dtype fp8 --num-gpu-blocks-override $(( 2 * BLOCKS )) \
   --output-json "$OUT/throughput-h2o-fp8.json"
 
+# 7. The score modes past attention sums (issue 59), H2O 20% as in 5: KeyDiff ranks by the keys,
+#    Expected Attention by the last 32 queries moved ahead with RoPE, at every compaction.
+for score in keydiff expected; do
+  gpu_step "throughput_h2o_$score" "${BENCH[@]}" --kv-eviction h2o --h2o-heavy-ratio 0.1 \
+    --h2o-recent-ratio 0.1 --h2o-score "$score" --output-json "$OUT/throughput-h2o-$score.json"
+done
 "$PY" -m gpu_bundle.report "$OUT" "$STEPS_FILE"
 failed=$(awk '$2 != 0 {print $1}' "$STEPS_FILE" | tr '\n' ' ')
 if [ -n "$failed" ]; then echo "gpu_check: failed steps: $failed; results in $OUT"; exit 1; fi

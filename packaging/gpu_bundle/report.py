@@ -53,9 +53,18 @@ def throughput(out: Path) -> dict | None:
     stock, h2o = _json(out / "throughput-stock.json"), _json(out / "throughput-h2o.json")
     if not (stock and h2o):
         return None
+    modes = {score: run for score in SCORES if (run := _json(out / f"throughput-h2o-{score}.json"))}
     return {"stock": stock, "h2o_20": h2o,
             "ratio_tokens_per_s": h2o["tokens_per_second"] / stock["tokens_per_second"],
-            "ratio_requests_per_s": h2o["requests_per_second"] / stock["requests_per_second"]}
+            "ratio_requests_per_s": h2o["requests_per_second"] / stock["requests_per_second"],
+            # Each score mode's H2O 20% run (step 7), as a ratio to stock and to the paper's score.
+            "scores": {score: {"run": run, "ratio_tokens_per_s": run["tokens_per_second"] / stock["tokens_per_second"],
+                               "vs_h2o": run["tokens_per_second"] / h2o["tokens_per_second"]}
+                       for score, run in modes.items()}}
+
+
+#: The score modes gpu_check.sh times beside the paper's (its step 7).
+SCORES = ("keydiff", "expected")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,8 @@ def test_gpu_check_dry_run_with_a_synthetic_bundle(tmp_path, tiny_llama_dir):
     assert [(s["name"], s["exit"]) for s in doc["steps"]] == [
         ("bundle_verify", 0), ("bundle_install", 0), ("models", 0)]
     for name in ("kernels", "step_timing", "engine", "load", "throughput_stock", "throughput_h2o",
-                 "throughput_stock_fp8", "throughput_h2o_fp8"):
+                 "throughput_stock_fp8", "throughput_h2o_fp8", "throughput_h2o_keydiff",
+                 "throughput_h2o_expected"):
         assert "dry run, not started" in (out / f"{name}.log").read_text()
     assert "llama-8b-shape" in (out / "models.log").read_text()
 
@@ -159,7 +160,7 @@ def test_report_collects_steps_tests_load_and_the_throughput_ratio(tmp_path):
         '<testcase classname="t" name="a"/><testcase classname="t" name="b"><failure/></testcase>'
         '<testcase classname="t" name="c"/></testsuite></testsuites>')
     (tmp_path / "load.json").write_text(json.dumps({"ok": True, "peak_running": 120}))
-    for name, tps in (("stock", 100.0), ("h2o", 250.0)):
+    for name, tps in (("stock", 100.0), ("h2o", 250.0), ("h2o-keydiff", 200.0)):
         (tmp_path / f"throughput-{name}.json").write_text(
             json.dumps({"tokens_per_second": tps, "requests_per_second": tps / 10}))
     report.main([str(tmp_path), str(tmp_path / "steps.txt")])
@@ -169,6 +170,10 @@ def test_report_collects_steps_tests_load_and_the_throughput_ratio(tmp_path):
     assert doc["tests"]["engine"]["failed_tests"] == ["t::b"]
     assert doc["load"]["peak_running"] == 120
     assert doc["throughput"]["ratio_tokens_per_s"] == pytest.approx(2.5)
+    # A score mode's run (gpu_check.sh step 7) against stock and the paper's score; one not run is absent.
+    keydiff = doc["throughput"]["scores"]["keydiff"]
+    assert (keydiff["ratio_tokens_per_s"], keydiff["vs_h2o"]) == (pytest.approx(2.0), pytest.approx(0.8))
+    assert "expected" not in doc["throughput"]["scores"]
 
 
 def test_pytest_plugin_gives_every_llm_the_bundle_settings(monkeypatch):
