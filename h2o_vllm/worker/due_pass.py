@@ -28,6 +28,7 @@ class DuePass:
     """One pass's rows and their keep-set bounds, on the device. R rows, ``width`` KV positions
     (a power of two of blocks); positions past a row's live length are padding."""
     rows: torch.Tensor        # [R] int64: batch rows
+    host_rows: tuple[int, ...]  # the same rows on the host: a per-row read needs no device sync
     blocks: torch.Tensor      # [R, width] int64: block of KV position t (block 0 for padding)
     offsets: torch.Tensor     # [width] int64: offset of KV position t in its block
     positions: torch.Tensor   # [width] int64: 0 .. width - 1
@@ -80,7 +81,7 @@ def _due_pass(plan: StepPlan, rows: torch.Tensor, block_table: torch.Tensor, blo
     live = positions[None, :] < n[:, None]
     rows_d, live_d = _to(rows, device), live.to(device, non_blocking=True)
     blocks = block_table[rows_d][:, _to(positions // block_size, device)].to(torch.int64)
-    return DuePass(rows=rows_d, blocks=torch.where(live_d, blocks, 0),
+    return DuePass(rows=rows_d, host_rows=tuple(rows.tolist()), blocks=torch.where(live_d, blocks, 0),
                    offsets=_to(positions % block_size, device), positions=_to(positions, device),
                    live=live_d, due=due.to(device, non_blocking=True),
                    sink_end=_to(sink_end, device), recent_start=_to(recent_start, device),

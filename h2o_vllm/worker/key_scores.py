@@ -37,7 +37,7 @@ def key_scores(due: DuePass, ops: DeviceOps, views: Any, step: H2OStep, query: t
     plan = step.plan
     out = []
     # One row at a time: rows of a pass differ in their number of queries.
-    for i, row in enumerate(due.rows.tolist()):
+    for i, row in enumerate(due.host_rows):
         end = int(plan.query_starts[row] + plan.query_lens[row])
         start = max(int(plan.query_starts[row]), end - scorer.query_window)
         q = query[start:end].to(torch.float32)                         # [n, Hq, d]
