@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -214,24 +214,40 @@ def generate_each(jobs: Sequence[tuple[H2OOracle, list[list[int]]]], max_new_tok
     differ in length). Each oracle's ``last_states`` holds its sequences' states after."""
     if len({id(oracle.model) for oracle, _ in jobs}) > 1:
         raise ValueError("generate_each: the oracles of one batch share one model")
-    seqs = []  # [oracle, state, generated tokens, next-token logits]
-    for oracle, prompts in jobs:
-        oracle.last_states = [oracle.new_state(len(prompt)) for prompt in prompts]
-        seqs += [[oracle, state, [], oracle.prefill(state, prompt)]
-                 for state, prompt in zip(oracle.last_states, prompts)]
+    seqs = [_Sequence(oracle, state, oracle.prefill(state, prompt))
+            for oracle, prompts in jobs
+            for state, prompt in zip(_new_states(oracle, prompts), prompts)]
     live = seqs
     while live:
         for seq in live:
-            seq[2].append(int(seq[3].argmax()))
-        live = [seq for seq in live if seq[2][-1] != eos_token_id and len(seq[2]) < max_new_tokens]
+            seq.tokens.append(int(seq.logits.argmax()))
+        live = [seq for seq in live if seq.tokens[-1] != eos_token_id and len(seq.tokens) < max_new_tokens]
         if live:
-            for seq, logits in zip(live, _step(live[0][0].model, [(o, st, [g[-1]]) for o, st, g, _ in live])):
-                seq[3] = logits
+            batch = [(seq.oracle, seq.state, seq.tokens[-1:]) for seq in live]
+            for seq, logits in zip(live, _step(live[0].oracle.model, batch)):
+                seq.logits = logits
     outputs, i = [], 0
     for _, prompts in jobs:
-        outputs.append([seq[2] for seq in seqs[i:i + len(prompts)]])
+        outputs.append([seq.tokens for seq in seqs[i:i + len(prompts)]])
         i += len(prompts)
     return outputs
+
+
+@dataclass
+class _Sequence:
+    """One sequence of ``generate_each``: its oracle and state, what it has generated, and the
+    logits its next token is taken from."""
+
+    oracle: H2OOracle
+    state: SequenceState
+    logits: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
+
+
+def _new_states(oracle: H2OOracle, prompts: list[list[int]]) -> list[SequenceState]:
+    """The oracle's fresh states for ``prompts``, kept as its ``last_states``."""
+    oracle.last_states = [oracle.new_state(len(prompt)) for prompt in prompts]
+    return oracle.last_states
 
 
 def _step(model: torch.nn.Module, batch: Sequence[tuple[H2OOracle, SequenceState, list[int]]]) -> list[torch.Tensor]:
