@@ -2,8 +2,9 @@
 the unfused score kernels, and row compaction.
 
 One module per op: ``attention`` (``h2o_attention``: the CUDA path's attention, which also adds
-decode rows' scores and returns the log-sum-exp for the other rows), ``decode_scores``
-(``accumulate_decode_scores``), ``prefill_scores`` (``prefill_lse``,
+decode rows' scores and returns the log-sum-exp for the other rows), ``split_decode``
+(``h2o_split_decode``: the same for a decode-only batch, each row's keys split over
+programs), ``decode_scores`` (``accumulate_decode_scores``), ``prefill_scores`` (``prefill_lse``,
 ``accumulate_prefill_scores``, ``accumulate_prefill_scores_from_lse``: the prefill rows' score
 pass, also run after the fused attention) and ``compact`` (``compact_rows``); ``tiles`` holds
 what the score kernels share. ``accumulate_decode_scores`` and ``accumulate_prefill_scores``
@@ -37,6 +38,7 @@ _LAUNCHERS = {
     "accumulate_prefill_scores_from_lse": "h2o_vllm.kernels.prefill_scores",
     "h2o_attention": "h2o_vllm.kernels.attention",
     "decode_logit_offsets": "h2o_vllm.kernels.attention",
+    "h2o_split_decode": "h2o_vllm.kernels.split_decode",
     "prefill_lse": "h2o_vllm.kernels.prefill_scores",
     "compact_rows": "h2o_vllm.kernels.compact",
 }
