@@ -152,7 +152,7 @@ def main() -> None:
     if a.tiny:
         shape = dict(num_kv_heads=2, group=2, head_size=32, block=16, dtype=torch.float32, reps=1)
         sizes = [(2, 40, 1, False, None), (2, 40, 1, True, None), (1, 24, 24, False, None),
-                 (1, 24, 24, False, 8)]
+                 (1, 24, 24, False, 8), (2, 300, 1, False, None)]  # the last: split-KV decode
     else:
         assert torch.cuda.is_available(), "needs a CUDA GPU (or --tiny)"
         # Llama-3-8B-like layer; the shapes.
@@ -160,7 +160,10 @@ def main() -> None:
                      reps=a.reps)
         sizes = [(64, 1024, 1, False, None), (64, 1024, 1, True, None), (256, 512, 1, False, None),
                  (256, 512, 1, True, None), (1, 2048, 2048, False, None), (1, 2048, 2048, False, 32),
-                 (1, 6000, 6000, False, None), (1, 6000, 6000, False, 32)]
+                 (1, 6000, 6000, False, None), (1, 6000, 6000, False, 32),
+                 # Few, long rows: the split-KV decode (kernels.h2o_split_decode); compare
+                 # with vllm_attention_ms (vLLM's 3D kernel), not the 2D plain_attention_ms.
+                 (4, 32768, 1, False, None), (4, 32768, 1, True, None)]
     results = [case(rows, kv, q, due=due, obs_window=w, **shape) for rows, kv, q, due, w in sizes]
     doc = {"device": "cpu (TRITON_INTERPRET=1, --tiny)" if a.tiny else torch.cuda.get_device_name(),
            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

@@ -39,6 +39,7 @@ _LAUNCHERS = {
     "h2o_attention": "h2o_vllm.kernels.attention",
     "decode_logit_offsets": "h2o_vllm.kernels.attention",
     "h2o_split_decode": "h2o_vllm.kernels.split_decode",
+    "num_splits": "h2o_vllm.kernels.split_decode",
     "prefill_lse": "h2o_vllm.kernels.prefill_scores",
     "compact_rows": "h2o_vllm.kernels.compact",
 }

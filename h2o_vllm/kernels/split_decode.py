@@ -39,6 +39,23 @@ from h2o_vllm.kernels import (FP8_CACHE_DTYPES, check_lens, check_paged, check_q
 from h2o_vllm.kernels.attention import _dot, block_m_of
 from h2o_vllm.kernels.tiles import LOG2E, soft_cap, softmax_start
 
+#: vLLM's rule for its 3D kernel (``MIN_LAUNCH_GRID_SIZE_2D``, ``NUM_PAR_SOFTMAX_SEGMENTS``):
+#: split when one program per (row, KV head) makes fewer than 128 programs, into up to 16.
+MIN_GRID_2D = 128
+MAX_SPLITS = 16
+#: Keys a split walks at least: a shorter split costs its reduce more than it saves.
+MIN_SPLIT_KEYS = 128
+
+
+def num_splits(num_rows: int, num_kv_heads: int, max_kv_len: int) -> int:
+    """How many programs split each row's keys in a decode-only step; 1: the 2D kernel
+    (``attention.h2o_attention``) fills the GPU already, or the rows are too short to split.
+    Depends on the batch's shape and a bound on its lengths: a captured step passes its fixed
+    bound and keeps one launch shape."""
+    if num_rows * num_kv_heads > MIN_GRID_2D:
+        return 1
+    return max(1, min(MAX_SPLITS, max_kv_len // MIN_SPLIT_KEYS))
+
 
 @triton.jit
 def split_attention_kernel(

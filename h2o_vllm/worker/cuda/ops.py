@@ -64,7 +64,9 @@ class TritonOps(StoredKVReads):
                sink_logits: torch.Tensor | None = None) -> None:
         """The step's attention output into out and its scores into scores, from the same
         pass over K and V (kernels.h2o_attention); then, for rows with several queries, one
-        more pass over their K with the log-sum-exp it returned. Replaces vLLM's
+        more pass over their K with the log-sum-exp it returned. A decode-only step of few,
+        long rows splits each row's keys over programs instead (kernels.h2o_split_decode,
+        ``kernels.num_splits``), as vLLM's 3D kernel does. Replaces vLLM's
         unified_attention, the zeroing of the new slots' scores and accumulate.
 
         query, out: [>= num_tokens, num_q_heads, head_size]; query_start_loc: the batch's
@@ -76,6 +78,16 @@ class TritonOps(StoredKVReads):
         num_tokens = int(step.plan.query_lens.sum())
         query = query[:num_tokens]
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
+        max_kv_len = int(step.plan.kv_seq_lens.max()) if num_rows else 0
+        splits = kernels.num_splits(num_rows, views.keys.shape[2], max_kv_len)
+        if step.prefill_rows is None and splits > 1:  # few, long decode rows: flash-decoding
+            kernels.h2o_split_decode(
+                query, views.keys, views.values, out[:num_tokens], step.block_table,
+                step.kv_seq_lens, scale, scores, index.decode_offsets, index.num_decode_keys,
+                num_splits=splits, max_kv_len=max_kv_len, query_weight=weights,
+                score_scale=factors, softcap=softcap, sinks=sink_logits, k_scale=self.k_scale,
+                v_scale=self.v_scale)
+            return
         lse = kernels.h2o_attention(
             query, views.keys, views.values, out[:num_tokens], step.block_table,
             query_start_loc[:num_rows + 1], step.kv_seq_lens, scale, scores=scores,

@@ -20,7 +20,9 @@ def test_tiny_run_times_every_path(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(out.read_text())["cases"]
     assert [(c["q_len"] > 1, c["compacted"], c["obs_window"]) for c in cases] == [
-        (False, False, None), (False, True, None), (True, False, None), (True, False, 8)]
+        (False, False, None), (False, True, None), (True, False, None), (True, False, 8),
+        (False, False, None)]  # the last, 2 rows of 300 keys, runs the split-KV decode
+    assert cases[-1]["kv_len"] == 300
     for c in cases:
         for key in ("plain_attention_ms", "h2o_fused_ms", "vllm_attention_ms", "h2o_unfused_ms"):
             assert c[key] > 0, (key, c)

@@ -113,3 +113,11 @@ def test_split_decode_rejects_bad_inputs():
     with pytest.raises(ValueError, match="num_splits"):
         split_decode.h2o_split_decode(query, *args, torch.zeros(1, dtype=torch.int64, device=DEVICE), 5,
                                       num_splits=0)
+
+
+def test_rows_split_as_vllms_3d_kernel_splits_them_when_they_are_long_enough():
+    assert split_decode.num_splits(64, 2, 4096) == 16      # 128 programs: vLLM would split
+    assert split_decode.num_splits(65, 2, 4096) == 1       # 130 programs fill the GPU
+    assert split_decode.num_splits(4, 8, 32768) == 16
+    assert split_decode.num_splits(4, 8, 300) == 2         # at least MIN_SPLIT_KEYS per split
+    assert split_decode.num_splits(4, 8, 200) == 1

@@ -283,3 +283,30 @@ def test_weighted_scores_are_the_closed_form_and_paper_rows_unchanged():
         for mixed, paper in zip(layers["mixed"].live_scores(1, computed[1] + q_lens[1]),
                                 layers["paper"].live_scores(1, computed[1] + q_lens[1])):
             assert torch.equal(mixed, paper)
+
+
+def test_long_decode_rows_split_their_keys_and_agree_across_devices(monkeypatch):
+    """Two rows past 256 keys decoding alone: the fused attention splits each row's keys
+    (kernels.h2o_split_decode, two splits), and the output, K, V and scores after each step
+    still equal dense attention's and the CPU ops' (compactions on the cadence included)."""
+    from h2o_vllm.kernels import split_decode
+    calls = []
+    launch = split_decode.h2o_split_decode
+    monkeypatch.setattr(split_decode, "h2o_split_decode",
+                        lambda *a, **kw: calls.append(kw["num_splits"]) or launch(*a, **kw))
+    torch.manual_seed(0)
+    num_kv_heads, head_size, prompts = 2, 16, [280, 300]
+    layer = Layer(block_table(2, 20, seed=2), num_kv_heads, head_size, fused=True)
+    budget = (Budget(140, 140, 8),) * 2  # 280 kept: decode rows of 281-288 keys, compacting at 288
+    schedule = [[(0, 280), (0, 300)]] + [[(280 + i, 1), (300 + i, 1)] for i in range(9)]
+    for step_rows in schedule:
+        plan = batch_plan([c for c, _ in step_rows], [q for _, q in step_rows], prompts, budgets=budget)
+        num_tokens = int(plan.query_lens.sum())
+        query = torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE)
+        new_k, new_v = (torch.randn(num_tokens, num_kv_heads, head_size, device=DEVICE) for _ in range(2))
+        layer.step(plan, query, new_k, new_v)
+        torch.testing.assert_close(layer.out.cpu().double(), layer.want_out, rtol=1e-5, atol=1e-5)
+        for row in range(2):
+            torch.testing.assert_close(*layer.live_scores(row, int(plan.kv_lens_after[row])),
+                                       rtol=1e-5, atol=1e-5)
+    assert calls == [2] * 9
