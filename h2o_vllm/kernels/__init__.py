@@ -6,7 +6,8 @@ decode rows' scores and returns the log-sum-exp for the other rows), ``split_dec
 (``h2o_split_decode``: the same for a decode-only batch, each row's keys split over
 programs), ``decode_scores`` (``accumulate_decode_scores``), ``prefill_scores`` (``prefill_lse``,
 ``accumulate_prefill_scores``, ``accumulate_prefill_scores_from_lse``: the prefill rows' score
-pass, also run after the fused attention) and ``compact`` (``compact_rows``); ``tiles`` holds
+pass, also run after the fused attention), ``select`` (``select_keep_rows``: a due pass's
+keep-sets in one launch) and ``compact`` (``compact_rows``); ``tiles`` holds
 what the score kernels share. ``accumulate_decode_scores`` and ``accumulate_prefill_scores``
 are the unfused path, kept as the tested reference of the fused one. Each op comes in three:
 ``<op>_kernel`` (jit), the ``<op>`` launcher (importable from here), and (score and compaction
@@ -42,6 +43,7 @@ _LAUNCHERS = {
     "num_splits": "h2o_vllm.kernels.split_decode",
     "prefill_lse": "h2o_vllm.kernels.prefill_scores",
     "compact_rows": "h2o_vllm.kernels.compact",
+    "select_keep_rows": "h2o_vllm.kernels.select",
 }
 __all__ = sorted(_LAUNCHERS)
 _UNQUANTISED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

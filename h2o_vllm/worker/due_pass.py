@@ -108,6 +108,18 @@ def live_scores(due: DuePass, scores: torch.Tensor) -> torch.Tensor:
     return gathered.masked_fill(~due.live[:, None, :], 0.0)
 
 
+def ranked_candidates(due: DuePass, ranked: torch.Tensor) -> torch.Tensor:
+    """[R, Hkv, width] fp32: what the heavy hitters are chosen by, the rows' ranking modes
+    applied; -inf outside each row's candidates [sink_end, recent_start)."""
+    pos = due.positions[None, :]
+    candidate = ((pos >= due.sink_end[:, None]) & (pos < due.recent_start[:, None]))[:, None, :]
+    masked = ranked.masked_fill(~candidate, float("-inf"))
+    for mode, rows in due.rank:
+        # A mode sees -inf past the candidates (pooling's own edge padding); its value there is dropped.
+        masked = torch.where(candidate & rows[:, None, None], mode.rank(masked), masked)
+    return masked
+
+
 def keep_sets(due: DuePass, ranked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(keep [R, Hkv, width] bool, keep_idx [R, Hkv, width] int64): the tokens each (row, KV
     head) keeps, and their positions, ascending, in the first ``targets[row]`` entries.
@@ -116,11 +128,7 @@ def keep_sets(due: DuePass, ranked: torch.Tensor) -> tuple[torch.Tensor, torch.T
     candidates ranked by a stable sort of the reversed row, so that among equal scores the more
     recent token wins (docs/semantics.md, "Eviction"); padding and non-candidates sort last."""
     pos = due.positions[None, :]
-    candidate = ((pos >= due.sink_end[:, None]) & (pos < due.recent_start[:, None]))[:, None, :]
-    masked = ranked.masked_fill(~candidate, float("-inf"))
-    for mode, rows in due.rank:
-        # A mode sees -inf past the candidates (pooling's own edge padding); its value there is dropped.
-        masked = torch.where(candidate & rows[:, None, None], mode.rank(masked), masked)
+    masked = ranked_candidates(due, ranked)
     width = ranked.shape[-1]
     order = torch.sort(masked.flip(-1), dim=-1, descending=True, stable=True).indices
     chosen = (pos < due.num_heavy[:, None])[:, None, :].expand_as(order)  # the first num_heavy
