@@ -137,6 +137,7 @@ BENCH=("$PY" -m h2o_vllm.frontend.cli bench throughput --model "$MODELS/llama-8b
 
 # 1. Triton kernels and the CUDA step, compiled for the GPU (the tests CI runs interpreted).
 gpu_step kernels env TRITON_INTERPRET=0 "${PYTEST[@]}" tests/unit/kernels/test_kernels.py \
+  tests/unit/kernels/test_split_decode.py tests/unit/kernels/test_select.py \
   tests/unit/worker/test_step.py --junitxml="$OUT/kernels.xml"
 # 2. Per-layer cost of H2O's score accumulation and compaction, beside one SDPA.
 gpu_step step_timing "$PY" benchmarks/cuda_step_timing.py --out "$OUT/cuda_step_timing.json"
