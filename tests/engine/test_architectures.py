@@ -15,7 +15,7 @@ full budget matrix is test_exactness.py's and test_cuda.py's; the families here 
 import pytest
 import torch
 
-from budgets import extra_args, oracle
+from budgets import MODES, extra_args, oracle
 from engines import (V2_ENV, check_block_lists, greedy, model_runner_of, random_prompts, run_steps,
                      scheduler_of, start_in_fresh_process, vllm_engine)
 from h2o_devtools import models
@@ -32,6 +32,14 @@ CASES = {
     "recommended": {"heavy_ratio": 0.1, "recent_ratio": 0.1, "interval": 1, "min_tokens": 0,
                     "obs_window": 8, "pool_kernel": 5},
 }
+#: The key scorers, on the CPU path (CI time: the interpreter's cost grows with every row):
+#: KeyDiff on every family, Expected Attention on those whose RoPE it moves ahead
+#: (``score_modes.rotary``: the rotate-half layout, a rotation by the position alone; OPT has
+#: none, GPT-NeoX rotates part of each head, Phi-3 is not in the list, gpt-oss scales it: each
+#: refused before the model loads).
+SCORER_CASES = {"keydiff": MODES["keydiff-pool-5-sinks-2-tokens-8+8-interval1"],
+                "expected": MODES["expected-pool-5-sinks-2-tokens-8+8-interval1"]}
+EXPECTED_FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", TWO_H2O_GROUPS)
 BLOCK, MAX_TOKENS = 16, 16
 PROMPTS = random_prompts((1, 17, 40, 100))
 # Chunked prefill mixed with decodes; a pool of 20 blocks that the 8 requests contend for.
@@ -77,23 +85,33 @@ def engine_futures(family_dirs) -> dict:
     return futures
 
 
+def cases_of(family: str, path: str) -> dict:
+    """The cases a family's engine on ``path`` serves."""
+    if path != "cpu":
+        return CASES
+    scorers = {name: budget for name, budget in SCORER_CASES.items()
+               if name != "expected" or family in EXPECTED_FAMILIES}
+    return {**CASES, **scorers}
+
+
 def serve_families(family_dirs: dict, impl: str) -> dict:
     """{family: outputs, or the traceback its engine failed with}."""
     import traceback
+    path = next(p for p, name in IMPLS.items() if name == impl)
     results = {}
     for family, model_dir in family_dirs.items():
         try:
-            results[family] = serve(model_dir, impl, family)
+            results[family] = serve(model_dir, impl, family, cases_of(family, path))
         except Exception:
             results[family] = traceback.format_exc()
     return results
 
 
-def serve(model_dir, impl: str, family: str) -> list[list[int]]:
+def serve(model_dir, impl: str, family: str, cases: dict) -> list[list[int]]:
     """Every case's outputs for PROMPTS (case-major), the engine driven step by step with the
     block lists checked after each."""
-    prompts = PROMPTS * len(CASES)
-    params = [greedy(MAX_TOKENS, extra_args=extra_args(budget)) for budget in CASES.values() for _ in PROMPTS]
+    prompts = PROMPTS * len(cases)
+    params = [greedy(MAX_TOKENS, extra_args=extra_args(budget)) for budget in cases.values() for _ in PROMPTS]
     pool = POOL.get(family, ENGINE["num_gpu_blocks_override"])
     with vllm_engine(model_dir, **{**ENGINE, "num_gpu_blocks_override": pool}) as llm:
         layers = model_runner_of(llm).compilation_config.static_forward_context.values()
@@ -116,15 +134,15 @@ def serve(model_dir, impl: str, family: str) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expectations(family_dirs) -> dict:
     """The oracle's outputs of every family (computed while the engines run elsewhere)."""
-    return {family: expected(model_dir) for family, model_dir in family_dirs.items()}
+    return {family: expected(model_dir, cases_of(family, "cpu")) for family, model_dir in family_dirs.items()}
 
 
-def expected(model_dir) -> dict[str, list[list[int]]]:
+def expected(model_dir, cases: dict) -> dict[str, list[list[int]]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     full = oracle(model, {"heavy_tokens": 4096, "recent_tokens": 4096}, BLOCK).generate(PROMPTS, MAX_TOKENS)
-    want = {name: oracle(model, budget, BLOCK).generate(PROMPTS, MAX_TOKENS) for name, budget in CASES.items()}
-    assert all(tokens != full for tokens in want.values()), "eviction changed nothing: a weak check"
+    want = {name: oracle(model, budget, BLOCK).generate(PROMPTS, MAX_TOKENS) for name, budget in cases.items()}
+    assert all(want[name] != full for name in CASES), "eviction changed nothing: a weak check"
     sinks = [m.sinks for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.Tensor)]
     if sinks:  # gpt-oss: an engine that left its sinks out would not pass by chance
         with torch.no_grad():
@@ -135,10 +153,11 @@ def expected(model_dir) -> dict[str, list[list[int]]]:
     return want
 
 
-def check(family: str, outputs: list[list[int]], want_by_case: dict) -> None:
+def check(family: str, outputs: list[list[int]], want_by_case: dict, cases: dict) -> None:
     n = len(PROMPTS)
-    for i, (name, want) in enumerate(want_by_case.items()):
-        assert outputs[i * n:(i + 1) * n] == want, f"{family}, {name}: the engine and the oracle differ"
+    assert len(outputs) == n * len(cases)
+    for i, name in enumerate(cases):
+        assert outputs[i * n:(i + 1) * n] == want_by_case[name], f"{family}, {name}: the engine and the oracle differ"
 
 
 @pytest.mark.parametrize(("family", "path"), [(f, "cpu") for f in FAMILIES + [TWO_H2O_GROUPS]]
@@ -147,4 +166,4 @@ def test_family_equals_oracle(family, path, expectations, engine_futures):
     result = engine_futures[path, family].result()[family]
     if isinstance(result, str):
         pytest.fail(f"{family} ({path} path, shared process):\n{result}", pytrace=False)
-    check(family, result, expectations[family])
+    check(family, result, expectations[family], cases_of(family, path))

@@ -24,13 +24,20 @@ CUDA_PATH_BUDGETS = {
     "decay-tokens-6+8-interval5": {"heavy_tokens": 6, "recent_tokens": 8, "interval": 5, "decay": 0.9},
     "window-sinks-tokens-6+6-interval7": {"heavy_tokens": 6, "recent_tokens": 6, "interval": 7,
                                           "obs_window": 8, "sink_tokens": 2},
+    # The key scorers, with room for drafts between compactions: their scores come from the
+    # keys the device gathers at the compaction (and Expected Attention's from that step's one
+    # query: its token runs alone), never from the held verification queries.
+    "keydiff-pool-5-sinks-2-tokens-8+8-interval6": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 6,
+                                                    "score": "keydiff", "pool_kernel": 5, "sink_tokens": 2},
+    "expected-pool-5-sinks-2-tokens-8+8-interval5": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 5,
+                                                     "score": "expected", "pool_kernel": 5, "sink_tokens": 2},
 }
 CUDA_PATH_TOKENS = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 def _cuda_path_speculative_run(model_dir, prompts, speculative_config, v2="0", async_scheduling=False,
-                               budgets=tuple(CUDA_PATH_BUDGETS)):
+                               budgets=tuple(CUDA_PATH_BUDGETS)[:3]):
     """In a fresh process: an engine with a speculator registers vLLM's speculative Triton
     kernels in its process, after which vLLM's dispatcher fails the next engine started there
     (tests/engine/test_speculative.py). ``v2``: VLLM_USE_V2_MODEL_RUNNER."""
@@ -53,6 +60,13 @@ def _whole_groups(llm) -> int:
     return sum(not is_h2o_spec(g.kv_cache_spec) for g in scheduler_of(llm).kv_cache_config.kv_cache_groups)
 
 
+#: The key scorers on the n-gram cases (CI time: a drafter does not enter the target's scoring):
+#: Expected Attention on both runners, KeyDiff on V1.
+SCORER_BUDGETS = {"ngram": ("keydiff-pool-5-sinks-2-tokens-8+8-interval6",
+                            "expected-pool-5-sinks-2-tokens-8+8-interval5"),
+                  "ngram_gpu": ("expected-pool-5-sinks-2-tokens-8+8-interval5",)}
+
+
 @pytest.mark.parametrize("speculator, v2, scheduling", [
     ("ngram", "0", "sync"), ("draft_model", "0", "sync"), ("ngram_gpu", "1", "async")],
     ids=lambda v: {"0": "v1", "1": "v2"}.get(v, v))
@@ -64,26 +78,28 @@ def test_speculative_h2o_on_the_cuda_path_equals_the_oracle(smollm2_4_layers_dir
     n-grams on the device (``ngram_gpu``, which vLLM runs under async scheduling: its drafts
     are unverified when the next step is scheduled and planned). Without a GPU, inside vLLM's
     CPU engine under the Triton interpreter; SmolLM2's first four layers copy the repeated
-    passages."""
+    passages. The n-gram cases add the key scorers (``SCORER_BUDGETS``)."""
     from transformers import AutoModelForCausalLM
     prompts = repeated_passages(smollm2_4_layers_dir, ((16, 3), (24, 2)))
+    budgets = tuple(CUDA_PATH_BUDGETS)[:3] + SCORER_BUDGETS.get(speculator, ())
     model = AutoModelForCausalLM.from_pretrained(smollm2_4_layers_dir, dtype=torch.float32).eval()
-    expected = oracle_matrix(model, CUDA_PATH_BUDGETS, 16, prompts, CUDA_PATH_TOKENS, full=prompts)
+    expected = oracle_matrix(model, {name: CUDA_PATH_BUDGETS[name] for name in budgets}, 16, prompts,
+                             CUDA_PATH_TOKENS, full=prompts)
     full = expected.pop("full")
     spec = {**NGRAM, "method": speculator} if speculator.startswith("ngram") else {
         "method": "draft_model", "model": str(smollm2_4_layers_dir), "num_speculative_tokens": 3}
     outputs, (drafts, accepted), evicted, whole = in_fresh_process(
-        _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec, v2, scheduling == "async",
+        _cuda_path_speculative_run, smollm2_4_layers_dir, prompts, spec, v2, scheduling == "async", budgets,
         env={**DEVICE.get("env", {}), V2_ENV: v2})
     assert 0 < accepted < drafts and evicted > 0
     assert (whole == 0) == speculator.startswith("ngram"), "a draft model's layers keep their KV cache whole"
     n = len(prompts)
-    for i, name in enumerate(CUDA_PATH_BUDGETS):
+    for i, name in enumerate(budgets):
         assert [outputs[str(i * n + j)] for j in range(n)] == expected[name], name
-    assert any(expected[name] != full for name in CUDA_PATH_BUDGETS)
+    assert any(expected[name] != full for name in budgets)
 
 
-TOKENS, DECAY, WINDOW = CUDA_PATH_BUDGETS
+TOKENS, DECAY, WINDOW, KEYDIFF, EXPECTED = CUDA_PATH_BUDGETS
 
 
 #: Each drafter on each runner once, and both schedulings on each runner. MTP on V2 under async

@@ -30,6 +30,10 @@ CASES = {
     "all-modes-tokens-6+6-interval1": MODES["all-modes-tokens-6+6-interval1"],
     "pool-5-window-8-tokens-8+8-interval1": MODES["pool-5-window-8-tokens-8+8-interval1"],
     "chunk-24-tokens-8+8-interval1": {**BUDGETS["tokens-8+8-interval1"], "prefill_chunk": 24},
+    # The key scorers: the producer's compactions score from its live keys (and its prompt's
+    # last queries), the consumer's from the loaded keys (and its own decode queries).
+    "keydiff-pool-5-sinks-2-tokens-8+8-interval1": MODES["keydiff-pool-5-sinks-2-tokens-8+8-interval1"],
+    "expected-pool-5-sinks-2-tokens-8+8-interval1": MODES["expected-pool-5-sinks-2-tokens-8+8-interval1"],
 }
 # Shorter than the budget, about it, past it (39 and 40: a ratio budget differs), far past it.
 PROMPT_LENGTHS = (3, 17, 39, 40, 100, 300)

@@ -143,7 +143,11 @@ def test_a_prompt_held_whole_that_cannot_fit_the_pool_is_refused(cpu_outputs):
 # A hybrid model (tiny Gemma 3: a sliding-window layer, window 24, and a full-attention one):
 # H2O's group evicts between chunks while vLLM's window group keeps its window, in the same
 # 24-block pool; the refusal counts both groups' blocks.
-HYBRID_CASES = [("tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-interval1", 64)]
+# The key scorers read the full-attention layers' keys (and, for Expected Attention, their
+# queries and RoPE: Gemma 3's global one) there.
+HYBRID_CASES = [("tokens-8+8-interval1", 24), ("pool-5-window-8-tokens-8+8-interval1", 64),
+                ("keydiff-pool-5-sinks-2-tokens-8+8-interval1", 24),
+                ("expected-pool-5-sinks-2-tokens-8+8-interval1", 64)]
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +181,11 @@ def test_hybrid_chunked_prefill_matches_dense_oracle(hybrid_outputs, hybrid_dir,
 
 # The CUDA path (H2OTritonAttentionBackend) under the switch, every Triton kernel interpreted
 # (~1-2 s a step here): a smaller matrix on a two-layer model, with async scheduling on.
-SWITCH_CASES = [("tokens-8+8-interval1", 8), ("all-modes-tokens-6+6-interval1", 24)]
+# The key scorers as on the CPU path: KeyDiff over the keys gathered at each chunk's
+# compaction, Expected Attention from the last 32 queries of 64-token chunks in 40-token steps.
+SWITCH_CASES = [("tokens-8+8-interval1", 8), ("all-modes-tokens-6+6-interval1", 24),
+                ("keydiff-pool-5-sinks-2-tokens-8+8-interval1", 24),
+                ("expected-pool-5-sinks-2-tokens-8+8-interval1", 64)]
 SWITCH_PROMPTS = random_prompts((17, 100), seed=4)
 
 

@@ -44,6 +44,18 @@ BUDGETS = {
                                         "prefill_chunk": 64},
     "tokens-16+16-interval1": {"heavy_tokens": 16, "recent_tokens": 16, "interval": 1},
 }
+#: The key scorers (docs/semantics.md, "KeyDiff", "Expected Attention"), each with room for
+#: drafts between its compactions: scores from the live keys (and, for Expected Attention, the
+#: compacting step's queries: its token runs alone, so they are one decode query, as in the
+#: oracle). On the n-gram engine and its KV transfer only (CI time): the drafter does not
+#: enter the target's scoring.
+KEY_SCORER_BUDGETS = {
+    "keydiff-pool-5-sinks-2-tokens-12+12-interval6": {"heavy_tokens": 12, "recent_tokens": 12, "interval": 6,
+                                                      "score": "keydiff", "pool_kernel": 5, "sink_tokens": 2},
+    "expected-pool-5-sinks-2-tokens-16+16-interval8": {"heavy_tokens": 16, "recent_tokens": 16, "interval": 8,
+                                                       "score": "expected", "pool_kernel": 5, "sink_tokens": 2},
+}
+NGRAM_BUDGETS = BUDGETS | KEY_SCORER_BUDGETS
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +74,23 @@ def oracle_outputs(smollm2_dir, prompts):
     """Before any engine runs in this process (the oracle is slower after)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    return oracle_matrix(model, BUDGETS, BLOCK, prompts, MAX_TOKENS, full=prompts)
+    return oracle_matrix(model, NGRAM_BUDGETS, BLOCK, prompts, MAX_TOKENS, full=prompts)
 
 
-def _smollm2_rounds(model_dir, prompts, speculative_config=NGRAM):
+def _smollm2_rounds(model_dir, prompts, speculative_config=NGRAM, budgets=BUDGETS):
     """In a fresh process (see the module note): the matrix twice on one engine, the second
     round admitted on the first's prefix-cache hits; and the engine's KV-cache groups."""
     with vllm_engine(model_dir, in_process=True, block_size=BLOCK, speculative_config=speculative_config,
                      disable_log_stats=False, additional_config={"h2o": {}}) as llm:
         managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
         groups = [type(m).__name__ for m in managers]
-        return (_run_matrix(llm, prompts, decode_compactions=True), _run_matrix(llm, prompts, decode_compactions=True),
-                groups)
+        return (_run_matrix(llm, prompts, budgets, decode_compactions=True),
+                _run_matrix(llm, prompts, budgets, decode_compactions=True), groups)
 
 
 @pytest.fixture(scope="module")
 def smollm2_rounds(smollm2_dir, prompts, oracle_outputs):
-    return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts)
+    return in_fresh_process(_smollm2_rounds, smollm2_dir, prompts, NGRAM, NGRAM_BUDGETS)
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +139,9 @@ def test_ngram_h2o_equals_the_dense_oracle_with_drafts_accepted(smollm2_rounds, 
     (outputs, drafts, accepted), _, _ = smollm2_rounds
     print(f"n-gram with H2O: {accepted}/{drafts} draft tokens accepted")
     assert accepted > 0 and accepted < drafts, "no draft accepted (or none rejected): the test proves little"
-    for name in BUDGETS:
+    for name in NGRAM_BUDGETS:
         assert outputs[name] == oracle_outputs[name], f"{name}: H2O with n-gram drafts left the oracle"
-    changed = [name for name in BUDGETS if oracle_outputs[name] != oracle_outputs["full"]]
+    changed = [name for name in NGRAM_BUDGETS if oracle_outputs[name] != oracle_outputs["full"]]
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
 
@@ -137,7 +149,7 @@ def test_ngram_h2o_after_prefix_cache_hits_equals_the_oracle(smollm2_rounds, ora
     """The same prompts again: admitted on prefix-cache hits, then decoded with drafts."""
     _, (outputs, _, accepted), _ = smollm2_rounds
     assert accepted > 0
-    for name in BUDGETS:
+    for name in NGRAM_BUDGETS:
         assert outputs[name] == oracle_outputs[name], f"{name}: after a prefix-cache hit"
 
 
@@ -178,11 +190,12 @@ def test_ngram_h2o_decoding_transferred_prompts_equals_the_dense_oracle(smollm2_
     state the connector carries is all a decoder drafting with them needs. Every continuation
     loads its prompt's compacted state and equals the oracle over the budget matrix, with
     drafts accepted and rejected (vLLM's counters)."""
-    (outputs, drafts, accepted), loaded, _ = in_fresh_process(_transferred_matrix, smollm2_dir, prompts, tmp_path)
+    (outputs, drafts, accepted), loaded, _ = in_fresh_process(_transferred_matrix, smollm2_dir, prompts, tmp_path,
+                                                              NGRAM, NGRAM_BUDGETS)
     print(f"n-gram with H2O after a KV transfer: {accepted}/{drafts} draft tokens accepted")
-    assert loaded == len(prompts) * len(BUDGETS)
+    assert loaded == len(prompts) * len(NGRAM_BUDGETS)
     assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
-    for name in BUDGETS:
+    for name in NGRAM_BUDGETS:
         assert outputs[name] == oracle_outputs[name], f"{name}: decoding a transferred prompt with n-gram drafts"
 
 

@@ -10,7 +10,7 @@ head (tests/unit/worker/test_tp_split.py: a head split gives the same keep-sets 
 """
 import pytest
 
-from budgets import extra_args, oracle
+from budgets import MODES, extra_args, oracle
 from engines import random_prompts, scheduler_of, vllm_engine
 
 BLOCK = 16
@@ -18,7 +18,11 @@ BUDGETS = [{"heavy_ratio": 0.1, "recent_ratio": 0.1},  # with the default floor
            {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1},
            {"heavy_ratio": 0.0, "recent_ratio": 0.2, "interval": 1, "min_tokens": 0},
            # Evicting between prompt chunks: every rank cuts the same chunks.
-           {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1, "prefill_chunk": 16}]
+           {"heavy_tokens": 8, "recent_tokens": 8, "interval": 1, "prefill_chunk": 16},
+           # The key scorers: each rank scores its own KV head from its keys (KeyDiff) or from
+           # its own query heads' last queries (Expected Attention).
+           MODES["keydiff-pool-5-sinks-2-tokens-8+8-interval1"],
+           MODES["expected-pool-5-sinks-2-tokens-8+8-interval1"]]
 PROMPTS = random_prompts([1, 17, 64, 150], seed=21)
 MAX_TOKENS = 40
 
