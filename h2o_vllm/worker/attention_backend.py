@@ -20,8 +20,10 @@ from h2o_vllm.config import FP8_KV_CACHE_DTYPES, h2o_config
 from h2o_vllm.score_modes.rotary import rotary_or_none
 from h2o_vllm.spec import is_h2o_spec
 from h2o_vllm.worker.building import plan_for
+from h2o_vllm.worker.decode_graph import graph_width
 from h2o_vllm.worker.step import (DeferredMass, DeviceOps, H2OStep, kv_space_metadata, prepare_scores,
                                   scoring_step, update_scores_and_compact)
+from h2o_vllm.worker.step_buffers import StepBuffers
 
 def announce_backend(backend: str, how: str, vllm_config) -> None:
     """One INFO line per worker process naming the H2O attention backend it runs, and the
@@ -64,20 +66,29 @@ def check_fusable(impl) -> None:
 class H2OBuilderMixin:
     """``build``: the plan of the build in progress (``worker.building``) gives vLLM's builder
     its KV-space seq_lens and slot_mapping, and the step's ``H2OStep`` rides on the metadata
-    every layer receives."""
+    every layer receives. The step's device tensors live in the builder's ``StepBuffers``."""
     ops: DeviceOps
     metadata_cls: type
+    #: Whether decode steps may run graph-shaped (``worker.decode_graph``): the CUDA path's.
+    graph_decode = False
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # A hybrid model's sliding-window groups and a drafter's layers keep vLLM's own
         # metadata: only H2O's groups (h2o_specs) get a plan.
         self.h2o = h2o_config(vllm_config) if is_h2o_spec(kv_cache_spec) else None
+        scheduler = vllm_config.scheduler_config
+        self.step_buffers = StepBuffers(device, rows=scheduler.max_num_seqs,
+                                        tokens=scheduler.max_num_batched_tokens)
+        self.graph_width = (graph_width(vllm_config, self.h2o, kv_cache_spec.block_size)
+                            if self.graph_decode and self.h2o is not None else None)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         cm, step = common_attn_metadata, None
         plan = plan_for(self.layer_names) if self.h2o is not None else None
         if plan is not None:
-            cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops, self.layer_names[-1])
+            cm, step = kv_space_metadata(cm, plan, self.block_size, self.ops, self.layer_names[-1],
+                                         self.step_buffers, self.graph_width)
         metadata = super().build(common_prefix_len, cm, fast_build)
         return with_step(self.metadata_cls, metadata, step,
                          **(self.device_fields(cm, step) if step is not None else {}))

@@ -21,6 +21,7 @@ import torch
 
 from h2o_vllm.score_modes import ScoreMode, Scorer
 from h2o_vllm.worker.plan import StepPlan
+from h2o_vllm.worker.step_buffers import FreshTensors, StepBuffers
 
 
 @dataclass(frozen=True)
@@ -43,26 +44,38 @@ class DuePass:
     key_scorer: Scorer | None = None  # ranks from the live keys (None: the accumulated scores)
 
 
-def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
-    return t.to(dtype).to(device, non_blocking=True)
-
-
 def due_passes(plan: StepPlan, block_table: torch.Tensor, block_size: int, *,
-               every_row: bool = False) -> tuple[DuePass, ...]:
-    """The step's passes (``block_table``: the table due rows compact through). Eager steps pass the due rows only (none: no pass); ``every_row`` passes every row
-    of the batch, due or not, so that a fixed batch launches the same pass every step."""
+               every_row: bool = False, min_width: int = 0,
+               buffers: StepBuffers | FreshTensors | None = None) -> tuple[DuePass, ...]:
+    """The step's passes (``block_table``: the table due rows compact through). Eager steps
+    pass the due rows only (none: no pass); ``every_row`` passes every row of the batch, due or
+    not, so that a fixed batch launches the same pass every step. ``min_width``: KV positions
+    the pass spans at least (graph-shaped decode: the engine's, ``decode_graph.engine_width``);
+    a row whose decode peak needs more widens the pass. ``buffers``: where the pass's tensors
+    live (default: fresh ones)."""
+    buffers = buffers or FreshTensors(block_table.device)
     due = plan.due
     scorers = plan.key_scorers or (None,) * due.shape[0]
     rows_of: dict[Scorer | None, list[int]] = {}
     for row in (range(due.shape[0]) if every_row else due.nonzero().flatten().tolist()):
         rows_of.setdefault(scorers[row], []).append(row)
-    return tuple(_due_pass(plan, torch.tensor(rows), block_table, block_size, scorer)
-                 for scorer, rows in rows_of.items())
+    return tuple(_due_pass(plan, torch.tensor(rows), block_table, block_size, scorer, min_width,
+                           _Named(buffers, f"due{i}."))
+                 for i, (scorer, rows) in enumerate(rows_of.items()))
+
+
+class _Named:
+    """A pass's names in the step's buffers (a step may run one pass per key scorer)."""
+
+    def __init__(self, buffers, prefix: str) -> None:
+        self.buffers, self.prefix = buffers, prefix
+
+    def put(self, name: str, t: torch.Tensor, dtype=torch.int64, reserve: int = 0) -> torch.Tensor:
+        return self.buffers.put(self.prefix + name, t, dtype, reserve)
 
 
 def _due_pass(plan: StepPlan, rows: torch.Tensor, block_table: torch.Tensor, block_size: int,
-              key_scorer: Scorer | None) -> DuePass:
-    device = block_table.device
+              key_scorer: Scorer | None, min_width: int, buffers: _Named) -> DuePass:
     n = plan.kv_seq_lens[rows]
     due = plan.due[rows]
     # policy.select_keep's bounds, per row: recent = target - sinks - heavy.
@@ -75,21 +88,28 @@ def _due_pass(plan: StepPlan, rows: torch.Tensor, block_table: torch.Tensor, blo
     # A power of two of blocks, at least every row's decode peak: a decode batch keeps one
     # width from step to step, and a batch whose budgets differ a little shares it.
     peak = n if plan.kv_peak_lens is None else torch.maximum(n, plan.kv_peak_lens[rows])
-    num_blocks = -(-int(peak.max()) // block_size)
+    num_blocks = max(-(-int(peak.max()) // block_size), -(-min_width // block_size))
     width = min(1 << (num_blocks - 1).bit_length(), block_table.shape[1]) * block_size
     positions = torch.arange(width)
     live = positions[None, :] < n[:, None]
-    rows_d, live_d = _to(rows, device), live.to(device, non_blocking=True)
-    blocks = block_table[rows_d][:, _to(positions // block_size, device)].to(torch.int64)
-    return DuePass(rows=rows_d, host_rows=tuple(rows.tolist()), blocks=torch.where(live_d, blocks, 0),
-                   offsets=_to(positions % block_size, device), positions=_to(positions, device),
-                   live=live_d, due=due.to(device, non_blocking=True),
-                   sink_end=_to(sink_end, device), recent_start=_to(recent_start, device),
-                   num_heavy=_to(num_heavy, device), targets=_to(targets, device),
-                   rank=_rank(plan, rows.tolist(), device), key_scorer=key_scorer)
+    num_rows = buffers.buffers.rows
+    put = buffers.put
+    rows_d, live_d = put("rows", rows, reserve=num_rows), put("live", live, torch.bool, num_rows * width)
+    offsets = put("offsets", positions % block_size, reserve=width)
+    positions_d = put("positions", positions, reserve=width)
+    blocks = block_table[rows_d][:, positions_d // block_size].to(torch.int64)
+    return DuePass(rows=rows_d, host_rows=tuple(rows.tolist()),
+                   blocks=put("blocks", torch.where(live_d, blocks, 0), reserve=num_rows * width),
+                   offsets=offsets, positions=positions_d, live=live_d,
+                   due=put("due", due, torch.bool, num_rows),
+                   sink_end=put("sink_end", sink_end, reserve=num_rows),
+                   recent_start=put("recent_start", recent_start, reserve=num_rows),
+                   num_heavy=put("num_heavy", num_heavy, reserve=num_rows),
+                   targets=put("targets", targets, reserve=num_rows),
+                   rank=_rank(plan, rows.tolist(), buffers), key_scorer=key_scorer)
 
 
-def _rank(plan: StepPlan, rows: list[int], device) -> tuple[tuple[ScoreMode, torch.Tensor], ...]:
+def _rank(plan: StepPlan, rows: list[int], buffers: _Named) -> tuple[tuple[ScoreMode, torch.Tensor], ...]:
     """Every ranking mode of the rows' budgets (``StepPlan.ranking``), each with the rows that
     rank with it at this step (``StepPlan.rank``): the i-th mode of each row applies i-th."""
     ranking = plan.ranking or plan.rank
@@ -98,7 +118,8 @@ def _rank(plan: StepPlan, rows: list[int], device) -> tuple[tuple[ScoreMode, tor
         modes = dict.fromkeys(ranking[r][i] for r in rows if len(ranking[r]) > i)
         for mode in modes:
             ranks = [len(plan.rank[r]) > i and plan.rank[r][i] == mode for r in rows]
-            out.append((mode, torch.tensor(ranks).to(device, non_blocking=True)))
+            name = f"rank{len(out)}"
+            out.append((mode, buffers.put(name, torch.tensor(ranks), torch.bool, buffers.buffers.rows)))
     return tuple(out)
 
 

@@ -27,6 +27,7 @@ from h2o_vllm.worker.due_pass import DuePass, due_passes
 from h2o_vllm.worker.key_scores import key_scores
 from h2o_vllm.worker.plan import StepPlan, kv_slot_mapping
 from h2o_vllm.worker.prefix_records import PrefixStep
+from h2o_vllm.worker.step_buffers import FreshTensors, StepBuffers
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class H2OStep:
     # never starts and which a second build of the same batch would start too early.
     mass: torch.Tensor | None = None
     last_layer: str = ""  # the group's last layer in forward order (its builder's layer_names[-1])
+    # Graph-shaped decode (``make_step``): the due pass's width, which each decode row's share
+    # of the fused attention's logits scratch spans; 0 on an eager step.
+    decode_width: int = 0
     # What the device's ops precompute once per step (the CPU's: a call that builds it on first use).
     device_index: Any = None
     # Decay and query weights (StepPlan.query_weights / score_scale) on the device; None on
@@ -85,8 +89,9 @@ class DeviceOps(Protocol):
     def cache_views(self, kv_cache: torch.Tensor) -> Any:
         """An object with ``keys`` and ``values``: [num_blocks, block_size, num_kv_heads, head_size]."""
 
-    def step_index(self, step: H2OStep, block_size: int) -> Any:
-        """Per-step indices the device's accumulate reads in every layer (or None)."""
+    def step_index(self, step: H2OStep, block_size: int, buffers: StepBuffers | None = None) -> Any:
+        """Per-step indices the device's accumulate reads in every layer (or None); in
+        ``buffers`` where given."""
 
     def accumulate(self, step: H2OStep, query: torch.Tensor, views: Any, scores: torch.Tensor,
                    scale: float, softcap: float = 0.0, sink_logits: torch.Tensor | None = None) -> None:
@@ -102,23 +107,26 @@ class DeviceOps(Protocol):
         [0, targets[i]) (``kernels.compact_rows``); a row whose target is 0 moves nothing."""
 
 
-def _to(t: torch.Tensor, device, dtype=torch.int64) -> torch.Tensor:
-    return t.to(dtype).to(device, non_blocking=True)
-
-
-def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps, last_layer: str = ""):
+def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps, last_layer: str = "",
+                      buffers: StepBuffers | None = None, graph_width: int | None = None):
     """vLLM's ``CommonAttentionMetadata`` moved into KV space, and the step's ``H2OStep``.
 
     seq_lens (the kernel's key counts) and slot_mapping (where K/V are written) come from the
-    plan; RoPE positions stay logical (vLLM computes them from the logical positions)."""
+    plan; RoPE positions stay logical (vLLM computes them from the logical positions).
+    ``buffers``: the builder's (``worker.step_buffers``), where the step's device tensors are
+    written; ``graph_width``: graph-shaped decode (``make_step``)."""
+    buffers = buffers or FreshTensors(cm.seq_lens.device)
     num_rows = plan.query_lens.shape[0]
-    seq_lens = cm.seq_lens.clone()  # may be padded past num_rows: padding keeps vLLM's values
-    seq_lens[:num_rows] = plan.kv_seq_lens.to(seq_lens.dtype).to(seq_lens.device, non_blocking=True)
+    # may be padded past num_rows: padding keeps vLLM's values
+    seq_lens = buffers.put("seq_lens", cm.seq_lens, cm.seq_lens.dtype, buffers.rows)
+    seq_lens[:num_rows].copy_(plan.kv_seq_lens, non_blocking=True)
     slots = kv_slot_mapping(plan, cm.block_table_tensor, cm.slot_mapping.shape[0], block_size)
+    slots = buffers.put("slot_mapping", slots, reserve=buffers.tokens)
     cm = dataclasses.replace(cm, seq_lens=seq_lens, max_seq_len=int(plan.kv_seq_lens.max()),
                              slot_mapping=slots)
-    step = make_step(plan, cm.block_table_tensor, slots, block_size)
-    step = dataclasses.replace(step, device_index=ops.step_index(step, block_size), last_layer=last_layer)
+    step = make_step(plan, cm.block_table_tensor, slots, block_size, buffers, graph_width)
+    step = dataclasses.replace(step, device_index=ops.step_index(step, block_size, buffers),
+                               last_layer=last_layer)
     if plan.prefix is not None:
         step = dataclasses.replace(step, prefix=_prefix_step(plan, step, slots, block_size, ops))
     return cm, step
@@ -126,7 +134,8 @@ def kv_space_metadata(cm, plan: StepPlan, block_size: int, ops: DeviceOps, last_
 
 def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size: int,
                  ops: DeviceOps) -> PrefixStep:
-    """The step's prefix-cache work; its record phases are H2OSteps of their own."""
+    """The step's prefix-cache work; its record phases are H2OSteps of their own (fresh
+    tensors: they come at prompt boundaries, which no decode graph holds)."""
     def sub_step(sub_plan: StepPlan) -> H2OStep:
         sub = make_step(sub_plan, step.block_table, slots, block_size)
         return dataclasses.replace(sub, device_index=ops.step_index(sub, block_size))
@@ -140,11 +149,23 @@ def _prefix_step(plan: StepPlan, step: H2OStep, slots: torch.Tensor, block_size:
                                          phases, snapshots, block_size)
 
 
-def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
-              block_size: int) -> H2OStep:
+def graph_shaped(plan: StepPlan, graph_width: int | None) -> bool:
+    """Whether a step runs graph-shaped (``make_step``): a decode-only batch, without the
+    prefix cache's record phases, of an engine whose decode steps run so."""
+    return graph_width is not None and plan.prefix is None and bool((plan.query_lens == 1).all())
+
+
+def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor, block_size: int,
+              buffers: StepBuffers | None = None, graph_width: int | None = None) -> H2OStep:
     """block_table: [>= num_rows, max_blocks] int32 on the device; kv_slots from kv_slot_mapping.
-    A plan may cover only part of each row's queries (``worker.prefix_records.phase_plans``)."""
-    device = block_table.device
+    A plan may cover only part of each row's queries (``worker.prefix_records.phase_plans``).
+
+    ``graph_width`` (KV positions; None: eager): a decode-only step (``graph_shaped``) then
+    passes every row to one due pass at least that wide, due or not, and sizes the decode
+    logits by that width (``decode_width``), so that every step of a batch size launches the
+    same kernels over the same buffers (docs/cuda.md, "What full CUDA graphs would need")."""
+    buffers = buffers or FreshTensors(block_table.device)
+    put, rows, tokens = buffers.put, buffers.rows, buffers.tokens
     query_lens, kv_seq_lens = plan.query_lens, plan.kv_seq_lens
     table = prefix_records.compact_table(plan, block_table)
     new = kv_slots[:int(query_lens.sum())]
@@ -153,40 +174,46 @@ def make_step(plan: StepPlan, block_table: torch.Tensor, kv_slots: torch.Tensor,
     prefill = (query_lens > 1).nonzero().flatten()
     decode_rows = decode_tokens = prefill_rows = prefill_tokens = prefill_qsl = None
     if decode.numel():
-        decode_rows, decode_tokens = _to(decode, device), _to(starts[decode], device)
+        decode_rows = put("decode_rows", decode, reserve=rows)
+        decode_tokens = put("decode_tokens", starts[decode], reserve=rows)
     max_q = max_kv = 0
     if prefill.numel():
         q = query_lens[prefill]
         max_q, max_kv = int(q.max()), int(kv_seq_lens[prefill].max())
-        prefill_rows = _to(prefill, device)
-        prefill_qsl = _to(torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q, 0)]),
-                          device, torch.int32)
+        prefill_rows = put("prefill_rows", prefill, reserve=rows)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(q, 0)])
+        prefill_qsl = put("prefill_query_start_loc", qsl, torch.int32, rows + 1)
         packed = torch.equal(starts[prefill], torch.cumsum(q, 0) - q)
         if decode.numel() or not packed:  # else the batch's tokens are the prefill rows', in order
-            prefill_tokens = _to(torch.cat([torch.arange(int(s), int(s) + int(n))
-                                            for s, n in zip(starts[prefill], q)]), device)
-    due = due_passes(plan, table, block_size)
+            prefill_tokens = put("prefill_tokens", torch.cat([torch.arange(int(s), int(s) + int(n))
+                                                              for s, n in zip(starts[prefill], q)]),
+                                 reserve=tokens)
+    graph = graph_shaped(plan, graph_width)
+    due = due_passes(plan, table, block_size, every_row=graph, min_width=graph_width if graph else 0,
+                     buffers=buffers)
     return H2OStep(
-        plan=plan, block_table=block_table, kv_seq_lens=_to(kv_seq_lens, device, torch.int32),
-        new_blocks=new // block_size, new_offsets=new % block_size,
+        plan=plan, block_table=block_table, kv_seq_lens=put("kv_seq_lens", kv_seq_lens, torch.int32, rows),
+        new_blocks=put("new_blocks", new // block_size, reserve=tokens),
+        new_offsets=put("new_offsets", new % block_size, reserve=tokens),
         decode_rows=decode_rows, decode_tokens=decode_tokens, prefill_rows=prefill_rows,
         prefill_tokens=prefill_tokens, prefill_query_start_loc=prefill_qsl,
         max_prefill_query_len=max_q, max_prefill_kv_len=max_kv,
-        due=due, mass=torch.zeros(2, dtype=torch.float32, device=device) if due else None,
-        compact_table=table,
-        query_weight=_fp32_to(plan.query_weights, device), score_scale=_fp32_to(plan.score_scale, device),
-        prefill_first_scored=_first_scored(plan, prefill, device))
+        due=due, mass=buffers.zeros("mass", (2,)) if due else None, compact_table=table,
+        decode_width=due[0].positions.shape[0] if graph else 0,
+        query_weight=_fp32_to(plan.query_weights, "query_weight", buffers, tokens),
+        score_scale=_fp32_to(plan.score_scale, "score_scale", buffers, rows),
+        prefill_first_scored=_first_scored(plan, prefill, buffers))
 
 
-def _first_scored(plan: StepPlan, prefill: torch.Tensor, device) -> torch.Tensor | None:
+def _first_scored(plan: StepPlan, prefill: torch.Tensor, buffers) -> torch.Tensor | None:
     """``H2OStep.prefill_first_scored``: the plan's, for the prefill rows."""
     if plan.first_scored is None or not prefill.numel():
         return None
-    return _to(plan.first_scored[prefill], device, torch.int32)
+    return buffers.put("prefill_first_scored", plan.first_scored[prefill], torch.int32, buffers.rows)
 
 
-def _fp32_to(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else _to(t, device, torch.float32)
+def _fp32_to(t: torch.Tensor | None, name: str, buffers, reserve: int) -> torch.Tensor | None:
+    return None if t is None else buffers.put(name, t, torch.float32, reserve)
 
 
 def prepare_scores(step: H2OStep, scores: torch.Tensor, records: torch.Tensor | None) -> None:

@@ -31,9 +31,10 @@ class CPUOps(StoredKVReads):
     def cache_views(self, kv_cache: torch.Tensor) -> CacheViews:
         return cache_views(kv_cache, self.fp8_dtype)
 
-    def step_index(self, step: H2OStep, block_size: int) -> Callable[[], DecodeIndex] | None:
+    def step_index(self, step: H2OStep, block_size: int, buffers=None) -> Callable[[], DecodeIndex] | None:
         """The decode rows' ``DecodeIndex``, built by the first layer that asks: on a step whose
-        decode queries all wait (``deferred.py``) no layer does."""
+        decode queries all wait (``deferred.py``) no layer does. (No graph replays the CPU's
+        steps: fresh tensors, whatever ``buffers``.)"""
         if step.decode_rows is None:
             return None
         rows = step.decode_rows

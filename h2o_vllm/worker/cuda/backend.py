@@ -54,6 +54,7 @@ class H2OTritonAttentionMetadata(TritonAttentionMetadata):
 
 class H2OTritonMetadataBuilder(H2OBuilderMixin, TritonAttentionMetadataBuilder):
     metadata_cls = H2OTritonAttentionMetadata
+    graph_decode = True
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

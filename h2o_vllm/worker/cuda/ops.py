@@ -16,6 +16,7 @@ import torch
 from h2o_vllm import kernels  # launchers load lazily, with Triton (kernels.__init__)
 from h2o_vllm.worker.kv_dtype import StoredKVReads
 from h2o_vllm.worker.step import H2OStep
+from h2o_vllm.worker.step_buffers import FreshTensors, StepBuffers
 
 
 class TritonCacheViews(NamedTuple):
@@ -54,9 +55,18 @@ class TritonOps(StoredKVReads):
             x = x[: slot_mapping.shape[0]][live].view(-1, *cache.shape[2:])
             cache[blocks, offsets] = (x.float() / scale).clamp(-largest, largest).to(self.fp8_dtype)
 
-    def step_index(self, step: H2OStep, block_size: int) -> FusedIndex:
-        offsets, num_keys = kernels.decode_logit_offsets(step.plan.query_lens, step.plan.kv_seq_lens)
-        return FusedIndex(offsets.to(step.block_table.device, non_blocking=True), num_keys)
+    def step_index(self, step: H2OStep, block_size: int,
+                   buffers: StepBuffers | None = None) -> FusedIndex:
+        """Graph-shaped decode (``step.decode_width``): each row's logits take a range of that
+        width, so the scratch's size and the offsets are the batch size's, not the lengths'."""
+        buffers = buffers or FreshTensors(step.block_table.device)
+        query_lens = step.plan.query_lens
+        if step.decode_width:
+            lens = torch.full_like(query_lens, step.decode_width)
+        else:
+            lens = step.plan.kv_seq_lens
+        offsets, num_keys = kernels.decode_logit_offsets(query_lens, lens)
+        return FusedIndex(buffers.put("decode_offsets", offsets, reserve=buffers.rows), num_keys)
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                out: torch.Tensor, scores: torch.Tensor, scale: float,
@@ -78,7 +88,8 @@ class TritonOps(StoredKVReads):
         num_tokens = int(step.plan.query_lens.sum())
         query = query[:num_tokens]
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
-        max_kv_len = int(step.plan.kv_seq_lens.max()) if num_rows else 0
+        # A graph-shaped step bounds its rows by its width, so its launches stay one shape.
+        max_kv_len = step.decode_width or (int(step.plan.kv_seq_lens.max()) if num_rows else 0)
         splits = kernels.num_splits(num_rows, views.keys.shape[2], max_kv_len)
         if step.prefill_rows is None and splits > 1:  # few, long decode rows: flash-decoding
             kernels.h2o_split_decode(

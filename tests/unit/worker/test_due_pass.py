@@ -136,3 +136,40 @@ def test_a_fixed_decode_batch_launches_the_same_pass_every_step():
     assert all(s == steps[0] for s in steps[1:])
     for graph_t, eager_t in zip((keys, values, scores["graph"]), (*caches["eager"][3:], scores["eager"])):
         assert torch.equal(graph_t, eager_t)
+
+
+def test_the_engine_width_bounds_every_prompts_decode_peak():
+    """``decode_graph.engine_width``: a power of two of blocks at least budget + interval for
+    every prompt length (ratios grow with the prompt, so the longest bounds them)."""
+    from h2o_vllm.config import H2OConfig
+    from h2o_vllm.worker.decode_graph import engine_width
+    for data in ({"heavy_tokens": 8, "recent_tokens": 8, "interval": 4, "sink_tokens": 2},
+                 {"heavy_ratio": 0.1, "recent_ratio": 0.1, "min_tokens": 0},
+                 {"heavy_ratio": 0.2, "recent_ratio": 0.1, "min_tokens": 24, "interval": 1}):
+        config = H2OConfig.from_dict(data)
+        width = engine_width(config, 1000, BLOCK)
+        assert width % BLOCK == 0 and (width // BLOCK) & (width // BLOCK - 1) == 0
+        peaks = [b.tokens + b.interval for b in (config.budget(p, BLOCK) for p in range(1, 1001))]
+        assert max(peaks) <= width < 2 * max(peaks) + BLOCK, data
+
+
+def test_a_row_peaking_past_the_engine_width_widens_the_pass_and_keeps_select_keeps():
+    """Graph-shaped decode with a request whose own budget peaks past the engine's width (a
+    per-request override): its steps' pass widens to cover it (a graph captured at the engine
+    width would not hold them) and each due row still keeps ``select_keep``'s tokens."""
+    kv_lens, heavy, recent = [20, 50], [4, 20], [4, 20]
+    after = [min(n, h + r) for n, h, r in zip(kv_lens, heavy, recent)]
+    plan = dataclasses.replace(_plan(kv_lens, after, heavy, [0, 0], ((), ()), ()),
+                               kv_peak_lens=torch.tensor([9, 41]))
+    table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
+    fits = dataclasses.replace(_plan([9, 12], [8, 12], [4, 0], [0, 0], ((), ()), ()),
+                               kv_peak_lens=torch.tensor([9, 13]))
+    (narrow,) = due_pass.due_passes(fits, table, BLOCK, every_row=True, min_width=32)
+    assert narrow.positions.shape == (32,)  # the engine's width, wider than these rows need
+    (due,) = due_pass.due_passes(plan, table, BLOCK, every_row=True, min_width=32)
+    assert due.positions.shape == (64,)
+    ranked = torch.randint(0, 4, (2, HEADS, 64), generator=torch.Generator().manual_seed(1)).float()
+    _, keep_idx = due_pass.keep_sets(due, ranked)
+    for row, n in enumerate(kv_lens):
+        want = select_keep(ranked[row, :, :n], heavy[row], recent[row])
+        assert torch.equal(keep_idx[row, :, :int(due.targets[row])], want), row
