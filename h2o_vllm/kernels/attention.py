@@ -62,6 +62,40 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def kv_tile(key_cache, value_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size,
+            k_scale, v_scale, dtype, FP8: tl.constexpr):
+    """K [HEAD_PAD, TILE] and V [TILE, HEAD_PAD] of one KV head at positions offs_n of a row
+    (bt_row: its block-table entries); an fp8 cache read as vLLM's unified_attention reads it,
+    ``fp8 * scale`` in the query's dtype."""
+    blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    slot = offs_n % block_size
+    k = tl.load(key_cache + blk[None, :] * stride_kb + slot[None, :] * stride_ks
+                + kv_head * stride_kh + offs_d[:, None],
+                mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+    v = tl.load(value_cache + blk[:, None] * stride_vb + slot[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP8:
+        k = (k.to(tl.float32) * k_scale).to(dtype)
+        v = (v.to(tl.float32) * v_scale).to(dtype)
+    return k, v
+
+
+@triton.jit
+def softmax_tile(m_i, l_i, acc, s, v, IEEE: tl.constexpr):
+    """One KV tile of the online softmax: logits s (log2 units, masked at -inf) into the
+    running max, sum and unnormalised output."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding lanes: no NaN
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def h2o_attention_kernel(
         out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
         lse, logits, decode_offsets, scores, query_weight, score_scale, sinks, scale_log2, cap_log2,
@@ -106,30 +140,16 @@ def h2o_attention_kernel(
     for n0 in range(0, kv_end, TILE):
         offs_n = n0 + tl.arange(0, TILE)
         n_mask = offs_n < kv_end
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        slot = offs_n % block_size
-        k = tl.load(key_cache + blk[None, :] * stride_kb + slot[None, :] * stride_ks
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [HEAD_PAD, TILE]
-        v = tl.load(value_cache + blk[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE, HEAD_PAD]
-        if FP8:  # as vLLM's unified_attention: fp8 * scale, in the query's dtype
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        k, v = kv_tile(key_cache, value_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       block_size, k_scale, v_scale, q.dtype, FP8)
         s = soft_cap(_dot(q, k, IEEE) * scale_log2, cap_log2, SOFTCAP)
         visible = m_mask[:, None] & n_mask[None, :] & (offs_n[None, :] <= (ctx_len + q_pos)[:, None])
         s = tl.where(visible, s, float("-inf"))
         if SCORES:
             if keep_logits:  # decode rows keep their logits (one query: n_mask = live keys)
                 tl.store(lg_row + offs_n[None, :], s, mask=m_mask[:, None] & n_mask[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding lanes: no NaN
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(m_i, l_i, acc, s, v, IEEE)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l_i >= 1 on live lanes (the max term, a key's
     # or the sink's, is exp2(0))
     tl.store(out + tok[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from h2o_vllm.kernels import (FP8_CACHE_DTYPES, check_lens, check_paged, check_query, check_sinks,
                               check_tile, check_weights)
-from h2o_vllm.kernels.attention import _dot, block_m_of
+from h2o_vllm.kernels.attention import _dot, block_m_of, kv_tile, softmax_tile
 from h2o_vllm.kernels.tiles import LOG2E, soft_cap, softmax_start
 
 #: vLLM's rule for its 3D kernel (``MIN_LAUNCH_GRID_SIZE_2D``, ``NUM_PAR_SOFTMAX_SEGMENTS``):
@@ -89,28 +89,14 @@ def split_attention_kernel(
     for n0 in range(start, end, TILE):
         offs_n = n0 + tl.arange(0, TILE)
         n_mask = offs_n < end
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        slot = offs_n % block_size
-        k = tl.load(key_cache + blk[None, :] * stride_kb + slot[None, :] * stride_ks
-                    + kv_head * stride_kh + offs_d[:, None],
-                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [HEAD_PAD, TILE]
-        v = tl.load(value_cache + blk[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE, HEAD_PAD]
-        if FP8:  # as vLLM's unified_attention: fp8 * scale, in the query's dtype
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        k, v = kv_tile(key_cache, value_cache, bt_row, offs_n, n_mask, offs_d, d_mask, kv_head,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       block_size, k_scale, v_scale, q.dtype, FP8)
         s = soft_cap(_dot(q, k, IEEE) * scale_log2, cap_log2, SOFTCAP)
         live = m_mask[:, None] & n_mask[None, :]
         s = tl.where(live, s, float("-inf"))
         tl.store(lg_row + offs_n[None, :], s, mask=live)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # padding lanes: no NaN
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(m_i, l_i, acc, s, v, IEEE)
     # [row, query head, split]: num_programs(1) * GROUP is the number of query heads.
     ml = (row.to(tl.int64) * GROUP * tl.num_programs(1) + q_head) * num_splits + split
     tl.store(m_part + ml, m_i, mask=m_mask)
