@@ -258,20 +258,22 @@ def eagle_prompts():
     return [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]  # 60-120 tokens, past every budget
 
 
-#: The key scorers beside a model drafter, with room for drafts between compactions: KeyDiff
-#: on every target, Expected Attention on the Llama targets (the MTP target, a MiMo, has a
-#: model type whose RoPE it does not read: refused).
+#: The key scorers beside a model drafter, with room for drafts between compactions, one
+#: drafter each (CI time: a drafter proposes tokens only, the target's scoring is the same):
+#: Expected Attention beside EAGLE-3 (a Llama target), KeyDiff beside MTP (the MTP target, a
+#: MiMo, has a model type whose RoPE Expected Attention does not read: refused).
 EAGLE_SCORERS = {
-    "keydiff-pool-5-sinks-2-tokens-8+8-interval6": {"heavy_tokens": 8, "recent_tokens": 8, "interval": 6,
-                                                    "score": "keydiff", "pool_kernel": 5, "sink_tokens": 2},
-    "expected-pool-5-sinks-2-tokens-12+12-interval4": {"heavy_tokens": 12, "recent_tokens": 12, "interval": 4,
-                                                       "score": "expected", "pool_kernel": 5, "sink_tokens": 2},
+    "eagle3": {"expected-pool-5-sinks-2-tokens-12+12-interval4": {
+        "heavy_tokens": 12, "recent_tokens": 12, "interval": 4, "score": "expected", "pool_kernel": 5,
+        "sink_tokens": 2}},
+    "mtp": {"keydiff-pool-5-sinks-2-tokens-8+8-interval6": {
+        "heavy_tokens": 8, "recent_tokens": 8, "interval": 6, "score": "keydiff", "pool_kernel": 5,
+        "sink_tokens": 2}},
 }
 
 
 def _eagle_budgets(method: str) -> dict:
-    return EAGLE_BUDGETS | {name: budget for name, budget in EAGLE_SCORERS.items()
-                            if method != "mtp" or budget["score"] != "expected"}
+    return EAGLE_BUDGETS | EAGLE_SCORERS.get(method, {})
 
 
 def _eagle_oracle(target, prompts, budgets=EAGLE_BUDGETS) -> dict[str, list[list[int]]]:
@@ -296,8 +298,9 @@ def test_model_drafters_h2o_equal_the_dense_oracle_with_drafts_accepted(mirrored
     """An EAGLE-1 head, an EAGLE-3 head (it reads the target's hidden states, not the token's
     embedding, in its residual) and a model's own MTP layer (a tiny MiMo), each mirroring a
     one-layer target built for it (``h2o_devtools.models.drafters``), its layer's KV cache
-    whole in a KV-cache group of its own, over the budget matrix and the key scorers
-    (``EAGLE_SCORERS``): token for token the oracle's, with drafts accepted and rejected."""
+    whole in a KV-cache group of its own, over the budget matrix (and a key scorer beside
+    EAGLE-3 and MTP: ``EAGLE_SCORERS``): token for token the oracle's, with drafts accepted
+    and rejected."""
     target, spec = mirrored_drafter(method, DRAFTS)
     budgets = _eagle_budgets(method)
     expected = _eagle_oracle(target, eagle_prompts, budgets)
