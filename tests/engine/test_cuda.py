@@ -363,8 +363,13 @@ def serve_one_by_one(model_dir, kwargs, prompts, config) -> tuple[list[list[int]
 # that none is.
 TRANSFER_CASES = {"v1-chunked-sync-drafter": dict(CHUNKED, async_scheduling=False, env={V2_ENV: "0"},
                                                   num_gpu_blocks_override=24, drafter=True),
+                  # Expected Attention too: the producer's compaction reads its prompt's last
+                  # queries, the consumer's its own decode queries, over an fp8 cache.
                   "v2-chunked-async-fp8": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
-                                               env={V2_ENV: "1"}, num_gpu_blocks_override=12),
+                                               env={V2_ENV: "1"}, num_gpu_blocks_override=12,
+                                               budgets=["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1",
+                                                        "ratio-0.1+0.1-block",
+                                                        "expected-pool-5-sinks-2-tokens-8+8-interval1"]),
                   "v2-chunked-async-fp8-nixl": dict(CHUNKED, async_scheduling=True, kv_cache_dtype="fp8",
                                                     env={V2_ENV: "1"}, nixl=True, num_gpu_blocks_override=12)}
 TRANSFER_BUDGETS = ["tokens-8+8-interval1", "all-modes-tokens-6+6-interval1", "ratio-0.1+0.1-block"]
@@ -385,11 +390,11 @@ def test_cuda_kv_transfer_pair_matches_the_oracle(tiny_llama_dir, hf_model, tmp_
         outputs, loaded = _serve(transfer_pair, tiny_llama_dir, kwargs, str(tmp_path),
                                  fresh=kwargs.get("drafter", False))
     stored = FP8_E4M3 if kwargs.get("kv_cache_dtype") == "fp8" else StoredKV()
-    n = len(PROMPTS)
-    for i, name in enumerate(TRANSFER_BUDGETS):
+    n, names = len(PROMPTS), kwargs.get("budgets", TRANSFER_BUDGETS)
+    for i, name in enumerate(names):
         want = oracle(hf_model, BUDGETS.get(name) or MODES[name], BLOCK, stored_kv=stored)
         assert outputs[i * n:(i + 1) * n] == want.generate(PROMPTS, MAX_TOKENS), name
-    assert loaded == n * len(TRANSFER_BUDGETS)
+    assert loaded == n * len(names)
 
 
 def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
@@ -397,6 +402,7 @@ def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
     With ``drafter``: the model drafts for itself on both sides, the producer in processes of its
     own (one process runs one speculative engine), and the consumer accepts drafts."""
     kwargs = dict(kwargs)
+    names = kwargs.pop("budgets", TRANSFER_BUDGETS)
     drafts = 3 if kwargs.pop("drafter", False) else 0
     if drafts:
         kwargs.update(speculative_config={"method": "draft_model", "model": str(model_dir),
@@ -408,7 +414,7 @@ def transfer_pair(model_dir, kwargs, store) -> tuple[list[list[int]], int]:
         return _engine(model_dir, additional_config={"h2o": ENGINE_H2O}, kv_transfer_config=kv,
                        **{**kwargs, **settings})
 
-    budgets = [extra_args({**BUDGETS, **MODES}[name]) for name in TRANSFER_BUDGETS]
+    budgets = [extra_args({**BUDGETS, **MODES}[name]) for name in names]
     prompts = PROMPTS * len(budgets)
     with engine("kv_producer", **({"in_process": False} if drafts else {})) as llm:
         firsts = generate_ids(llm, prompts, [greedy(1, extra_args=b) for b in budgets for _ in PROMPTS])

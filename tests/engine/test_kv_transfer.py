@@ -296,3 +296,21 @@ def test_vllms_pd_protocol_the_original_prompt_with_the_producers_params(consume
     assert transfer.num_loaded == loaded + len(cases)
     with_4 = oracle(hf_model, {**_config("engine"), "heavy_tokens": 4}, BLOCK).generate([PROMPTS[5]], MAX_TOKENS)
     assert outputs[str(len(cases))] == with_4[0]
+
+
+def test_an_expected_attention_continuation_without_its_state_computes_the_window_exactly(
+        consumer, consumed, produced, store, expected):
+    """Expected Attention's compaction reads its step's last 32 queries. A continuation whose
+    state is missing computes its 300-token prompt itself, in 64-token steps that stop at the
+    producer's prompt length (one token short of vLLM's), the last of them holding the window
+    the producer's compaction read: the oracle's tokens. The consumer's prefix cache is emptied
+    first (the fault tests above computed this prompt, which would be a local hit)."""
+    firsts, _ = produced
+    case, i = "expected-pool-5-sinks-2-tokens-8+8-interval1", len(PROMPTS) - 1
+    _damage(store, _key(case, PROMPTS[i]), "missing")
+    assert consumer.reset_prefix_cache()
+    transfer = scheduler_of(consumer).connector.transfer
+    before = (transfer.num_loaded, transfer.num_recomputed)
+    outputs, _ = _drive(consumer, [PROMPTS[i] + firsts[(case, i)]], [_params(case, MAX_TOKENS - 1)])
+    assert firsts[(case, i)] + outputs["0"] == expected[(case, i)]
+    assert (transfer.num_loaded, transfer.num_recomputed) == (before[0], before[1] + 1)

@@ -258,20 +258,38 @@ def eagle_prompts():
     return [p * 3 for p in random_prompts([20, 30, 40, 25], seed=4)]  # 60-120 tokens, past every budget
 
 
-def _eagle_oracle(target, prompts) -> dict[str, list[list[int]]]:
+#: The key scorers beside a model drafter, with room for drafts between compactions, one
+#: drafter each (CI time: a drafter proposes tokens only, the target's scoring is the same):
+#: Expected Attention beside EAGLE-3 (a Llama target), KeyDiff beside MTP (the MTP target, a
+#: MiMo, has a model type whose RoPE Expected Attention does not read: refused).
+EAGLE_SCORERS = {
+    "eagle3": {"expected-pool-5-sinks-2-tokens-12+12-interval4": {
+        "heavy_tokens": 12, "recent_tokens": 12, "interval": 4, "score": "expected", "pool_kernel": 5,
+        "sink_tokens": 2}},
+    "mtp": {"keydiff-pool-5-sinks-2-tokens-8+8-interval6": {
+        "heavy_tokens": 8, "recent_tokens": 8, "interval": 6, "score": "keydiff", "pool_kernel": 5,
+        "sink_tokens": 2}},
+}
+
+
+def _eagle_budgets(method: str) -> dict:
+    return EAGLE_BUDGETS | EAGLE_SCORERS.get(method, {})
+
+
+def _eagle_oracle(target, prompts, budgets=EAGLE_BUDGETS) -> dict[str, list[list[int]]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    return oracle_matrix(model, EAGLE_BUDGETS, EAGLE_BLOCK, prompts, EAGLE_TOKENS, full=prompts)
+    return oracle_matrix(model, budgets, EAGLE_BLOCK, prompts, EAGLE_TOKENS, full=prompts)
 
 
-def _eagle_matrix(target, prompts, speculative_config):
+def _eagle_matrix(target, prompts, speculative_config, budgets=EAGLE_BUDGETS):
     """In a fresh process (see the module note): the budget matrix on one engine, and its
     KV-cache groups."""
     with vllm_engine(target, in_process=True, block_size=EAGLE_BLOCK, max_model_len=512,
                      speculative_config=speculative_config, disable_log_stats=False,
                      additional_config={"h2o": {}}) as llm:
         managers = scheduler_of(llm).kv_cache_manager.coordinator.single_type_managers
-        return (_run_matrix(llm, prompts, EAGLE_BUDGETS, EAGLE_BLOCK, EAGLE_TOKENS),
+        return (_run_matrix(llm, prompts, budgets, EAGLE_BLOCK, EAGLE_TOKENS),
                 sorted({type(m).__name__ for m in managers}))
 
 
@@ -280,17 +298,19 @@ def test_model_drafters_h2o_equal_the_dense_oracle_with_drafts_accepted(mirrored
     """An EAGLE-1 head, an EAGLE-3 head (it reads the target's hidden states, not the token's
     embedding, in its residual) and a model's own MTP layer (a tiny MiMo), each mirroring a
     one-layer target built for it (``h2o_devtools.models.drafters``), its layer's KV cache
-    whole in a KV-cache group of its own, over the budget matrix: token for token the oracle's,
-    with drafts accepted and rejected."""
+    whole in a KV-cache group of its own, over the budget matrix (and a key scorer beside
+    EAGLE-3 and MTP: ``EAGLE_SCORERS``): token for token the oracle's, with drafts accepted
+    and rejected."""
     target, spec = mirrored_drafter(method, DRAFTS)
-    expected = _eagle_oracle(target, eagle_prompts)
-    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec)
+    budgets = _eagle_budgets(method)
+    expected = _eagle_oracle(target, eagle_prompts, budgets)
+    (outputs, drafts, accepted), groups = in_fresh_process(_eagle_matrix, target, eagle_prompts, spec, budgets)
     print(f"{method} with H2O: {accepted}/{drafts} draft tokens accepted")
     assert groups == ["FullAttentionManager", "H2OManager"], groups
     assert 0 < accepted < drafts, "no draft accepted (or none rejected): the test proves little"
-    for name in EAGLE_BUDGETS:
+    for name in budgets:
         assert outputs[name] == expected[name], f"{name}: H2O with {method} drafts left the oracle"
-    changed = [name for name in EAGLE_BUDGETS if expected[name] != expected["full"]]
+    changed = [name for name in budgets if expected[name] != expected["full"]]
     assert len(changed) >= 3, f"eviction changed the tokens of {changed} only"
 
 
