@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
     # The kernel tests interpret without an engine (no switch): cut the interpreter's waste here too.
-    from h2o_vllm.vllm_hooks.triton_on_cpu import skip_discarded_overflow_checks
-    skip_discarded_overflow_checks()
+    from h2o_vllm.vllm_hooks.triton_on_cpu import cut_interpreter_waste
+    cut_interpreter_waste()
 
 # Under pytest-xdist (the README's test command runs one worker per core, whole files per
 # worker), each worker and the engines it starts keep to one core of their own: vLLM's CPU

@@ -113,9 +113,17 @@ def install() -> None:
     _wrap("torch.cuda:get_device_capability", _answer_cpu_capability)
     _wrap("vllm.platforms.cpu:CpuPlatform.check_and_update_config", _keep_async_scheduling)
     _wrap("triton.runtime.interpreter:InterpreterBuilder.create_splat", _keep_splat_boolean)
+    cut_interpreter_waste()
+    register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+
+
+def cut_interpreter_waste() -> None:
+    """Both result-neutral cuts of the interpreter's waste (module note): the discarded overflow
+    checks, and a jit helper's repeated swap of ``triton.language`` (every tile of a kernel
+    that calls helpers paid it). Under this switch, and for the tests that interpret H2O's
+    kernels without an engine (tests/conftest.py)."""
     _wrap("triton.runtime.interpreter:_patch_lang", _patch_lang_once_per_launch)
     skip_discarded_overflow_checks()
-    register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
 
 
 def skip_discarded_overflow_checks() -> None:
