@@ -14,6 +14,8 @@ its kernels, and after the previous step's), as vLLM's own persistent metadata b
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -37,9 +39,7 @@ class StepBuffers:
         return self._view(name, shape, dtype, reserve).zero_()
 
     def _view(self, name: str, shape, dtype: torch.dtype, reserve: int) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         flat = self._flat.get(name)
         if flat is None or flat.dtype != dtype or flat.numel() < numel:
             grown = 2 * flat.numel() if flat is not None and flat.dtype == dtype else 0

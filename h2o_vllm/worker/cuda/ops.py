@@ -26,9 +26,12 @@ class TritonCacheViews(NamedTuple):
 
 class FusedIndex(NamedTuple):
     """Per step, for the fused attention (kernels.attention): where each decode row's logits
-    go in the scratch (-1: not a decode row), and the scratch's length in keys."""
+    go in the scratch (-1: not a decode row), the scratch's length in keys, and the bound on
+    the rows' key counts a split-KV decode is shaped by (``kernels.num_splits``; a
+    graph-shaped step's is its width, so its launches keep one shape)."""
     decode_offsets: torch.Tensor  # [num_rows] int64, device
     num_decode_keys: int
+    max_kv_len: int
 
 
 class TritonOps(StoredKVReads):
@@ -66,7 +69,9 @@ class TritonOps(StoredKVReads):
         else:
             lens = step.plan.kv_seq_lens
         offsets, num_keys = kernels.decode_logit_offsets(query_lens, lens)
-        return FusedIndex(buffers.put("decode_offsets", offsets, reserve=buffers.rows), num_keys)
+        max_kv_len = int(lens.max()) if lens.numel() else 0
+        return FusedIndex(buffers.put("decode_offsets", offsets, reserve=buffers.rows), num_keys,
+                          max_kv_len)
 
     def attend(self, step: H2OStep, query: torch.Tensor, views: TritonCacheViews,
                out: torch.Tensor, scores: torch.Tensor, scale: float,
@@ -88,14 +93,12 @@ class TritonOps(StoredKVReads):
         num_tokens = int(step.plan.query_lens.sum())
         query = query[:num_tokens]
         weights, factors = step.query_weight, step.score_scale  # both None: paper H2O
-        # A graph-shaped step bounds its rows by its width, so its launches stay one shape.
-        max_kv_len = step.decode_width or (int(step.plan.kv_seq_lens.max()) if num_rows else 0)
-        splits = kernels.num_splits(num_rows, views.keys.shape[2], max_kv_len)
+        splits = kernels.num_splits(num_rows, views.keys.shape[2], index.max_kv_len)
         if step.prefill_rows is None and splits > 1:  # few, long decode rows: flash-decoding
             kernels.h2o_split_decode(
                 query, views.keys, views.values, out[:num_tokens], step.block_table,
                 step.kv_seq_lens, scale, scores, index.decode_offsets, index.num_decode_keys,
-                num_splits=splits, max_kv_len=max_kv_len, query_weight=weights,
+                num_splits=splits, max_kv_len=index.max_kv_len, query_weight=weights,
                 score_scale=factors, softcap=softcap, sinks=sink_logits, k_scale=self.k_scale,
                 v_scale=self.v_scale)
             return
